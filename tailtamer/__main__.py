@@ -1,0 +1,3 @@
+from tailtamer.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""Model hyper-parameters, read from and written to Hugging Face `config.json` fields.
+
+Two architectures are supported, both plain pre-norm decoders with RMSNorm, rotary
+embeddings, grouped-query attention and a SwiGLU MLP:
+  - `Qwen2ForCausalLM`: bias on q/k/v projections, none elsewhere.
+  - `LlamaForCausalLM`: `attention_bias` (q/k/v/o) and `mlp_bias` flags, both usually off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from tailtamer.errors import CheckpointError, ConfigError
+
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    architecture: str = "Qwen2ForCausalLM"
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Llama only: bias on q/k/v/o (Qwen2 always has q/k/v bias)
+    mlp_bias: bool = False  # Llama only
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(
+                f"architecture {self.architecture!r} is not supported; choose one of {sorted(ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}) unless head_dim is given"
+            )
+        if self.head_size % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_size}")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.architecture == "Qwen2ForCausalLM" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.architecture == "LlamaForCausalLM" and self.attention_bias
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def num_parameters(self) -> int:
+        h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
+        q, kv = self.num_attention_heads * self.head_size, self.num_key_value_heads * self.head_size
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        layer = attn + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + L * layer + h
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a `config.json` dict; `source` names the file in error messages."""
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}.get(
+            raw.get("model_type", ""), raw.get("model_type"))
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"{source}: architecture {arch!r} is not supported; tailtamer loads {sorted(ARCHITECTURES)}"
+            )
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in raw]
+        if missing:
+            raise CheckpointError(f"{source}: missing required field(s) {', '.join(missing)}")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+        if raw.get("use_sliding_window"):
+            raise CheckpointError(f"{source}: sliding-window attention is not supported")
+        qwen2 = arch == "Qwen2ForCausalLM"
+        try:
+            return cls(
+                architecture=arch,
+                vocab_size=raw["vocab_size"],
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"],
+                num_attention_heads=raw["num_attention_heads"],
+                num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+                head_dim=raw.get("head_dim"),
+                max_position_embeddings=raw.get("max_position_embeddings", 2048),
+                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=False if qwen2 else bool(raw.get("attention_bias", False)),
+                mlp_bias=False if qwen2 else bool(raw.get("mlp_bias", False)),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_id=raw.get("eos_token_id"),
+                pad_token_id=raw.get("pad_token_id"),
+            )
+        except ConfigError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """`config.json` fields that both transformers 4.x and 5.x read."""
+        qwen2 = self.architecture == "Qwen2ForCausalLM"
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": ARCHITECTURES[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_size,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": "float32",
+        }
+        if qwen2:
+            out.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
+        else:
+            out.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+        return out
+
+    def replace(self, **changes) -> "ModelConfig":
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _preset(**kw) -> dict[str, Any]:
+    return kw
+
+
+# Sizes for `tailtamer init-model --preset NAME`; vocab_size is taken from the tokenizer.
+PRESETS: dict[str, dict[str, Any]] = {
+    # The built-in task's base model: trains in minutes on 2 CPU cores.
+    "tiny": _preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    "small": _preset(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096),
+    # Qwen2.5-0.5B's shape (with whatever vocabulary the tokenizer has).
+    "qwen2.5-0.5b": _preset(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                            num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                            rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+
+def preset_config(name: str, vocab_size: int, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise ConfigError(f"unknown model field(s) {sorted(unknown)}")
+    return ModelConfig(vocab_size=vocab_size, **{**PRESETS[name], **overrides})

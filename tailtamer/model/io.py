@@ -1,0 +1,135 @@
+"""Hugging Face model directories in and out: `config.json` + `model.safetensors`.
+
+Our parameter names are transformers' without the `model.` prefix (`lm_head` keeps its name),
+so a directory written here loads in `AutoModelForCausalLM` and gives the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from tailtamer.atomic import atomic_write, atomic_write_json
+from tailtamer.errors import CheckpointError
+from tailtamer.model.config import ModelConfig
+from tailtamer.model.transformer import Transformer
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise CheckpointError(f"dtype {name!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def to_hf_key(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def from_hf_key(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: {what} not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed JSON ({e})") from None
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: model directory not found")
+    path = model_dir / "config.json"
+    return ModelConfig.from_hf(read_json(path, "config.json"), source=str(path))
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Single-file or sharded (`model.safetensors.index.json`) weights."""
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    files = [single] if single.is_file() else []
+    if not files and index.is_file():
+        weight_map = read_json(index, "safetensors index").get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    if not files:
+        raise CheckpointError(f"{model_dir}: no model.safetensors (or model.safetensors.index.json)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+    return tensors
+
+
+def check_state_dict(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], source: str) -> None:
+    """Raise naming every missing key and wrong shape (at most a few of each)."""
+    missing = [k for k in expected if k not in got]
+    wrong = [f"{k}: expected {tuple(expected[k].shape)}, got {tuple(got[k].shape)}"
+             for k in expected if k in got and got[k].shape != expected[k].shape]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
+                        + (" ..." if len(missing) > 5 else ""))
+    if wrong:
+        problems.append(f"wrong shape for {len(wrong)} tensor(s): {'; '.join(wrong[:5])}")
+    if problems:
+        raise CheckpointError(f"{source}: " + " | ".join(problems))
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    raw = {from_hf_key(k): v for k, v in read_safetensors(model_dir).items()}
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        raw.pop("lm_head.weight", None)
+    check_state_dict(expected, raw, f"{model_dir / 'model.safetensors'}")
+    model = model.to_empty(device=device)
+    model.load_state_dict(raw, strict=False, assign=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.to(parse_dtype(dtype)).eval()
+
+
+def save_model(model: Transformer, model_dir: str | Path) -> None:
+    """Write config.json and model.safetensors (float32, or the model's dtype if wider)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    store = torch.float64 if model.dtype == torch.float64 else torch.float32
+    tensors = {to_hf_key(k): v.detach().to("cpu", store).contiguous() for k, v in model.state_dict().items()
+               if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    atomic_write(model_dir / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = "float64" if store == torch.float64 else "float32"
+    atomic_write_json(model_dir / "config.json", hf)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> Transformer:
+    """Random init as transformers does: normal(0, std) weights, zero biases, unit norms."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model.eval()

@@ -1,0 +1,222 @@
+"""The rollout engine: continuous batching over the slots of a static KV cache.
+
+Each request (one sample of one prompt) takes a free cache slot, is prefilled, and then
+decodes one token per step alongside every other running request. A finished request frees
+its slot at once and the next queued request takes it. Sibling samples admitted together
+share one prefill (the prompt's KV rows are copied), which is what GRPO's n samples per
+prompt need. Per decode step the engine records the time and the number of running
+requests: that timeline is where the long tail shows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tailtamer.errors import ConfigError, DataError
+from tailtamer.model.transformer import KVCache, Transformer
+from tailtamer.rollout.sampling import SamplingParams, request_generator, sample, target_probs
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 64  # cache slots = requests decoded together
+    max_seq_len: int | None = None  # prompt + response limit; default: the model's context
+    max_tokens: int | None = None  # admit while sum(prompt + max_new_tokens) of running requests fits
+
+    def __post_init__(self):
+        if self.max_batch_size < 1:
+            raise ConfigError(f"engine.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ConfigError(f"engine.max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise ConfigError(f"engine.max_tokens must be >= 2, got {self.max_tokens}")
+
+
+@dataclass
+class Request:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    generator: torch.Generator
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    slot: int = -1
+    cached: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    stop_at: int | None = None  # character offset where a stop string begins
+
+    @property
+    def budget(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+
+
+@dataclass
+class RolloutStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    accept_len_mean: float = 1.0  # tokens per target forward per request; 1 without SD
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds, running) per step
+
+    def summary(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
+            "prefill_s": self.prefill_s,
+            "decode_steps": self.decode_steps,
+            "accept_len_mean": self.accept_len_mean,
+            "timeline": [[round(t, 5), n] for t, n in self.timeline],
+        }
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer=None, config: EngineConfig = EngineConfig(),
+                 eos_ids: tuple[int, ...] | None = None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        if eos_ids is None:
+            eos_ids = model.config.eos_ids or (
+                (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
+        self.eos_ids = frozenset(eos_ids)
+        self.max_seq_len = min(config.max_seq_len or model.config.max_position_embeddings,
+                               model.config.max_position_embeddings)
+        self._cache: KVCache | None = None
+
+    def _cache_for(self, slots: int, length: int) -> KVCache:
+        c = self._cache
+        if c is None or c.slots < slots or c.max_len < length or c.k.dtype != self.model.dtype:
+            c = self._cache = KVCache(self.model.config, slots, length, self.model.device, self.model.dtype)
+        return c
+
+    def make_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+        """Validate every prompt before any work starts, naming the offending prompt index."""
+        requests = []
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise DataError(f"prompt {i} is empty after tokenization")
+            if len(ids) >= self.max_seq_len:
+                raise DataError(f"prompt {i} has {len(ids)} tokens; the context holds {self.max_seq_len} "
+                                f"(prompt + at least one new token)")
+            new = min(params.max_new_tokens, self.max_seq_len - len(ids))
+            requests += [Request(i, j, list(ids), request_generator(params.seed, i, j, self.model.device), new)
+                         for j in range(params.n)]
+        return requests
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Completion], RolloutStats]:
+        requests = self.make_requests(prompts, params)
+        slots = min(self.config.max_batch_size, len(requests))
+        cache = self._cache_for(slots, max(r.budget for r in requests))
+        queue, running, done = deque(requests), [], []
+        free = list(range(slots))[::-1]
+        stats, start = RolloutStats(), time.perf_counter()
+        device = self.model.device
+        while queue or running:
+            admitted = self._admit(queue, running, free)
+            if admitted:
+                t0 = time.perf_counter()
+                self._prefill(admitted, cache, params)
+                stats.prefill_s += time.perf_counter() - t0
+                running += admitted
+            else:
+                ids = torch.tensor([[r.output_ids[-1]] for r in running], device=device)
+                slot_t = torch.tensor([r.slot for r in running], device=device)
+                starts = torch.tensor([r.cached for r in running], device=device)
+                logits, _ = self.model.decode(ids, cache, slot_t, starts)
+                self._emit(running, logits[:, -1], params)
+                for r in running:
+                    r.cached += 1
+                stats.decode_steps += 1
+                stats.timeline.append((time.perf_counter() - start, len(running)))
+            for r in [r for r in running if r.finish_reason]:
+                running.remove(r)
+                free.append(r.slot)
+                done.append(r)
+        stats.seconds = time.perf_counter() - start
+        stats.tokens = sum(len(r.output_ids) for r in done)
+        done.sort(key=lambda r: (r.prompt_index, r.sample_index))
+        return [self._complete(r) for r in done], stats
+
+    def _admit(self, queue: deque, running: list[Request], free: list[int]) -> list[Request]:
+        budget = self.config.max_tokens
+        used = sum(r.budget for r in running)
+        admitted = []
+        while queue and free:
+            r = queue[0]
+            # Always admit into an empty engine, so a request larger than the budget still runs.
+            if budget is not None and used + r.budget > budget and (running or admitted):
+                break
+            queue.popleft()
+            r.slot = free.pop()
+            used += r.budget
+            admitted.append(r)
+        return admitted
+
+    def _prefill(self, admitted: list[Request], cache: KVCache, params: SamplingParams) -> None:
+        """One forward for the distinct prompts (right-padded); siblings copy the KV rows."""
+        leaders: dict[int, Request] = {}
+        for r in admitted:
+            leaders.setdefault(r.prompt_index, r)
+        firsts = list(leaders.values())
+        width = max(len(r.prompt_ids) for r in firsts)
+        pad = next(iter(self.eos_ids), 0)
+        ids = torch.tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in firsts],
+                           device=self.model.device)
+        slot_t = torch.tensor([r.slot for r in firsts], device=self.model.device)
+        logits, _ = self.model.prefill(ids, cache, slot_t)
+        last = torch.tensor([len(r.prompt_ids) - 1 for r in firsts], device=self.model.device)
+        last_logits = logits[torch.arange(len(firsts), device=last.device), last]
+        row = {r.prompt_index: k for k, r in enumerate(firsts)}
+        for r in admitted:
+            leader = leaders[r.prompt_index]
+            if r is not leader:
+                cache.copy_slot(leader.slot, r.slot, len(r.prompt_ids))
+            r.cached = len(r.prompt_ids)
+        self._emit(admitted, last_logits[[row[r.prompt_index] for r in admitted]], params)
+
+    def _emit(self, requests: list[Request], logits: torch.Tensor, params: SamplingParams) -> None:
+        probs = target_probs(logits, params)
+        tokens = sample(probs, [r.generator for r in requests], params.greedy).tolist()
+        for r, tok in zip(requests, tokens):
+            self._append(r, tok, params)
+
+    def _append(self, r: Request, token: int, params: SamplingParams) -> None:
+        r.output_ids.append(token)
+        if token in self.eos_ids:
+            r.finish_reason = "stop"
+        elif params.stop and self._hit_stop(r, params.stop):
+            r.finish_reason = "stop"
+        elif len(r.output_ids) >= r.max_new_tokens:
+            r.finish_reason = "length"
+
+    def _hit_stop(self, r: Request, stops: tuple[str, ...]) -> bool:
+        text = self.tokenizer.decode(r.output_ids)
+        longest = max(len(s) for s in stops)
+        # Only a stop string ending in the newest token can be new; look just behind it.
+        tail_from = max(0, len(text) - longest - len(self.tokenizer.decode(r.output_ids[-1:])))
+        hits = [i for s in stops if (i := text.find(s, tail_from)) >= 0]
+        if hits:
+            r.stop_at = min(hits)
+        return bool(hits)
+
+    def _complete(self, r: Request) -> Completion:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids)
+            if r.stop_at is not None:
+                text = text[: r.stop_at]
+        return Completion(r.prompt_index, r.sample_index, r.output_ids, text, r.finish_reason or "length")
