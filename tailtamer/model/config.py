@@ -25,7 +25,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     architecture: str = "Qwen2ForCausalLM"
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads (filled in)
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
@@ -56,12 +56,14 @@ class ModelConfig:
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}) unless head_dim is given"
             )
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.head_size % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_size}")
 
     @property
     def head_size(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+        return self.head_dim
 
     @property
     def qkv_bias(self) -> bool:

@@ -102,14 +102,18 @@ class Engine:
             c = self._cache = KVCache(self.model.config, slots, length, self.model.device, self.model.dtype)
         return c
 
-    def make_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
-        """Validate every prompt before any work starts, naming the offending prompt index."""
+    def make_requests(self, prompts: list[list[int]], params: SamplingParams,
+                      labels: list[str] | None = None) -> list[Request]:
+        """Validate every prompt before any work starts; errors name `labels[i]` (e.g. file:row)."""
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer; pass one to Engine")
         requests = []
         for i, ids in enumerate(prompts):
+            where = labels[i] if labels else f"prompt {i}"
             if not ids:
-                raise DataError(f"prompt {i} is empty after tokenization")
+                raise DataError(f"{where}: prompt is empty after tokenization")
             if len(ids) >= self.max_seq_len:
-                raise DataError(f"prompt {i} has {len(ids)} tokens; the context holds {self.max_seq_len} "
+                raise DataError(f"{where}: prompt has {len(ids)} tokens; the context holds {self.max_seq_len} "
                                 f"(prompt + at least one new token)")
             new = min(params.max_new_tokens, self.max_seq_len - len(ids))
             requests += [Request(i, j, list(ids), request_generator(params.seed, i, j, self.model.device), new)
@@ -117,8 +121,11 @@ class Engine:
         return requests
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Completion], RolloutStats]:
-        requests = self.make_requests(prompts, params)
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 labels: list[str] | None = None) -> tuple[list[Completion], RolloutStats]:
+        if not prompts:
+            raise DataError("no prompts to generate from")
+        requests = self.make_requests(prompts, params, labels)
         slots = min(self.config.max_batch_size, len(requests))
         cache = self._cache_for(slots, max(r.budget for r in requests))
         queue, running, done = deque(requests), [], []

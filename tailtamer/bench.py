@@ -1,0 +1,120 @@
+"""`tailtamer bench`: side-by-side measurements in one process, reported as ratios.
+
+The machine is shared and its speed drifts, so A and B are interleaved repetition by
+repetition and each figure is a median; absolute times are printed for context only.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tailtamer.model.io import load_model
+from tailtamer.model.transformer import KVCache
+from tailtamer.rollout.engine import Engine, EngineConfig
+from tailtamer.rollout.sampling import SamplingParams
+
+VERIFY_QS = (1, 2, 4, 8, 16, 32)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _default_model_dir(model_dir: str | None) -> Path:
+    if model_dir:
+        return Path(model_dir)
+    from tailtamer.sft import SFTConfig, ensure_base_model
+
+    return ensure_base_model(SFTConfig())
+
+
+def _random_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Skip the low ids, where tokenizers keep their special tokens.
+    return torch.randint(min(8, vocab - 1), vocab, (batch, length), generator=g).tolist()
+
+
+def engine_vs_transformers(model_dir: Path, batches=(1, 16), new_tokens: int = 64, prompt_len: int = 32,
+                           repeats: int = 3) -> list[dict]:
+    """Greedy tokens/s of our engine and of `transformers.generate` on the same weights and
+    prompts, both forced to emit exactly `new_tokens` per request."""
+    from transformers import AutoModelForCausalLM
+
+    ours = load_model(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = Engine(ours, config=EngineConfig(max_batch_size=max(batches)), eos_ids=())
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
+    rows = []
+    for batch in batches:
+        prompts = _random_prompts(ours.config.vocab_size, batch, prompt_len)
+        ids = torch.tensor(prompts)
+
+        def run_hf():
+            with torch.inference_mode():
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+        def run_ours():
+            engine.generate(prompts, params)
+
+        run_ours(), run_hf()  # warm-up: allocate caches, load kernels
+        t_ours, t_hf = [], []
+        for _ in range(repeats):
+            t_ours.append(_timed(run_ours))
+            t_hf.append(_timed(run_hf))
+        tokens = batch * new_tokens
+        ours_tps, hf_tps = tokens / statistics.median(t_ours), tokens / statistics.median(t_hf)
+        rows.append({"batch": batch, "new_tokens": new_tokens, "tailtamer_tokens_per_s": round(ours_tps, 1),
+                     "transformers_tokens_per_s": round(hf_tps, 1), "ratio": round(ours_tps / hf_tps, 3)})
+    return rows
+
+
+def verify_cost(model_dir: Path, batches=(1, 8), qs=VERIFY_QS, context: int = 256, repeats: int = 15) -> list[dict]:
+    """t(q)/t(1): the cost of one forward over q new tokens per sequence against a `context`-token
+    KV cache, relative to one token. SD's ideal speedup is accept_len * t(1) / (t(q) + draft cost)."""
+    model = load_model(model_dir)
+    rows = []
+    with torch.inference_mode():
+        for batch in batches:
+            cache = KVCache(model.config, batch, context + max(qs), dtype=model.dtype)
+            slots = torch.arange(batch)
+            model.prefill(torch.tensor(_random_prompts(model.config.vocab_size, batch, context)), cache, slots)
+            starts = torch.full((batch,), context)
+            inputs = {q: torch.tensor(_random_prompts(model.config.vocab_size, batch, q, seed=q)) for q in qs}
+            times: dict[int, list[float]] = {q: [] for q in qs}
+            for _ in range(repeats + 2):
+                for q in qs:
+                    times[q].append(_timed(lambda: model.decode(inputs[q], cache, slots, starts)))
+            med = {q: statistics.median(t[2:]) for q, t in times.items()}
+            rows.append({"batch": batch, "context": context, "t1_ms": round(1000 * med[1], 3),
+                         **{f"q{q}": round(med[q] / med[1], 3) for q in qs if q != 1}})
+    return rows
+
+
+def bench_decode(model_dir: str | None = None, repeats: int = 3, new_tokens: int = 64) -> dict:
+    path = _default_model_dir(model_dir)
+    cfg = load_model(path).config
+    return {
+        "model": str(path),
+        "parameters": cfg.num_parameters(),
+        "threads": torch.get_num_threads(),
+        "engine_vs_transformers": engine_vs_transformers(path, new_tokens=new_tokens, repeats=repeats),
+        "verify_cost_t_q_over_t_1": verify_cost(path),
+    }
+
+
+def bench_random_model(preset: str, repeats: int = 3, new_tokens: int = 64) -> dict:
+    """The same report for a random model of a preset size (speed does not depend on weights)."""
+    from tailtamer.model.config import preset_config
+    from tailtamer.model.io import init_model, save_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(init_model(preset_config(preset, vocab_size=4096)), tmp)
+        return bench_decode(tmp, repeats, new_tokens)

@@ -1,0 +1,170 @@
+"""`tailtamer` command line: demo, generate, sft, init-model, task, bench.
+
+Bad input ends with a one-line `error: ...` naming the file, field or row, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tailtamer.errors import TailtamerError
+
+
+def cmd_generate(args) -> None:
+    from tailtamer.atomic import atomic_write_json, atomic_write_text
+    from tailtamer.model.io import load_model
+    from tailtamer.model.tokenizer import load_tokenizer
+    from tailtamer.rl.data import load_prompts
+    from tailtamer.rollout.engine import Engine, EngineConfig
+    from tailtamer.rollout.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
+    tokenizer = load_tokenizer(args.model)
+    rows, prompts = load_prompts(args.prompts, tokenizer)
+    model = load_model(args.model, args.dtype, args.device)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size))
+    labels = [f"{args.prompts}:{row['_row']}" for row in rows]
+    completions, stats = engine.generate(prompts, params, labels)
+    lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
+                         "token_ids": c.token_ids, "finish_reason": c.finish_reason}) for c in completions]
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
+    summary = stats.summary()
+    if args.stats:
+        atomic_write_json(args.stats, summary)
+    print(f"wrote {len(completions)} completions to {args.out}: {summary['tokens']} tokens in "
+          f"{summary['seconds']:.2f}s ({summary['tokens_per_s']:.1f} tokens/s)")
+
+
+def cmd_sft(args) -> None:
+    from dataclasses import replace
+
+    from tailtamer.sft import SFTConfig, ensure_base_model, train_sft
+
+    cfg = replace(SFTConfig(), **{k: v for k, v in (("steps", args.steps), ("seed", args.seed),
+                                                    ("preset", args.preset)) if v is not None})
+    if args.out:
+        info = train_sft(cfg, args.out)
+        print(f"wrote the base model to {args.out} (final loss {info['final_loss']:.4f})")
+    else:
+        print(ensure_base_model(cfg))
+
+
+def cmd_init_model(args) -> None:
+    from tailtamer.model.config import preset_config
+    from tailtamer.model.io import init_model, save_model
+    from tailtamer.model.tokenizer import char_tokenizer, load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else char_tokenizer()
+    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[args.arch]
+    cfg = preset_config(args.preset, tokenizer.vocab_size, architecture=arch,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = init_model(cfg, seed=args.seed)
+    save_model(model, args.out)
+    tokenizer.save(args.out)
+    print(f"wrote a random {args.preset} {arch} ({cfg.num_parameters() / 1e6:.2f}M parameters) to {args.out}")
+
+
+def cmd_task(args) -> None:
+    from tailtamer.atomic import atomic_write_text
+    from tailtamer.tasks.arithmetic import ArithmeticTask
+
+    rows = ArithmeticTask().dataset(args.n, args.seed)
+    atomic_write_text(args.out, "".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n"
+                                        for r in rows))
+    print(f"wrote {len(rows)} built-in task prompts to {args.out}")
+
+
+def cmd_demo(args) -> None:
+    from tailtamer.demo import run_demo
+
+    run_demo(out_dir=Path(args.out), n_prompts=args.prompts, n=args.n, seed=args.seed)
+
+
+def cmd_bench(args) -> None:
+    from tailtamer.bench import bench_decode, bench_random_model
+
+    if args.preset and args.model:
+        raise TailtamerError("give --model or --preset, not both")
+    if args.preset:
+        report = bench_random_model(args.preset, args.repeats, args.new_tokens)
+    else:
+        report = bench_decode(args.model, args.repeats, args.new_tokens)
+    print(json.dumps(report, indent=2))
+    if args.out:
+        from tailtamer.atomic import atomic_write_json
+
+        atomic_write_json(args.out, report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tailtamer", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="sample completions for a prompts file")
+    g.add_argument("--model", required=True, help="HF-format model directory")
+    g.add_argument("--prompts", required=True, help='JSONL, rows {"prompt": str} or {"messages": [...]}')
+    g.add_argument("--out", required=True, help="output JSONL, one row per sample")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    g.add_argument("--stats", help="write throughput and the running-requests timeline as JSON")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("sft", help="train (or find in the cache) the built-in task's base model")
+    s.add_argument("--out", help="train into this directory instead of the cache")
+    s.add_argument("--steps", type=int)
+    s.add_argument("--seed", type=int)
+    s.add_argument("--preset")
+    s.set_defaults(func=cmd_sft)
+
+    i = sub.add_parser("init-model", help="write a randomly initialised model of a preset size")
+    i.add_argument("--preset", required=True)
+    i.add_argument("--out", required=True)
+    i.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    i.add_argument("--tokenizer", help="directory with tokenizer.json (default: the built-in character tokenizer)")
+    i.add_argument("--seed", type=int, default=0)
+    i.set_defaults(func=cmd_init_model)
+
+    t = sub.add_parser("task", help="write built-in task prompts as JSONL")
+    t.add_argument("--out", required=True)
+    t.add_argument("--n", type=int, default=64)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_task)
+
+    d = sub.add_parser("demo", help="the main job on the built-in default: base model + long-tail rollout")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--prompts", type=int, default=64)
+    d.add_argument("--n", type=int, default=8)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="side-by-side benchmarks; prints a JSON report of ratios")
+    b.add_argument("what", choices=["decode"])
+    b.add_argument("--model", help="model directory (default: the built-in base model)")
+    b.add_argument("--preset", help="benchmark a random model of this preset size instead")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--out", help="also write the report here")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except TailtamerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

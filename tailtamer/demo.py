@@ -1,0 +1,75 @@
+"""The main job until the RL trainer lands: a long-tail rollout of the built-in base model.
+
+It trains (or reuses) the base model, samples n responses for held-out problems at
+temperature 1, and reports accuracy, the response-length distribution, and how much of the
+rollout's time is spent with only a few requests still running: the tail TLT attacks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tailtamer.atomic import atomic_write_json, atomic_write_text
+from tailtamer.model.io import load_model
+from tailtamer.model.tokenizer import load_tokenizer
+from tailtamer.rollout.engine import Engine, EngineConfig, RolloutStats
+from tailtamer.rollout.sampling import SamplingParams
+from tailtamer.sft import SFTConfig, ensure_base_model
+from tailtamer.tasks.arithmetic import ArithmeticTask, length_stats, reward
+
+HELD_OUT_SEED = 1_000_003  # SFT draws its problems from SFTConfig.seed; evaluation never overlaps
+
+
+def tail_share(stats: RolloutStats, batch: int, fraction: float = 0.25) -> dict:
+    """Share of decode time with at most `fraction` of the batch still running."""
+    times = [t for t, _ in stats.timeline]
+    steps = [(t1 - t0, n) for (t0, _), (t1, n) in zip([(0.0, 0)] + stats.timeline[:-1], stats.timeline)]
+    total = sum(dt for dt, _ in steps) or 1.0
+    limit = max(1, int(batch * fraction))
+    tail = sum(dt for dt, n in steps if n <= limit)
+    return {"running_at_most": limit, "time_share": tail / total,
+            "step_share": sum(1 for _, n in steps if n <= limit) / max(1, len(steps)),
+            "decode_seconds": times[-1] if times else 0.0}
+
+
+def evaluate(model_dir: Path, n_prompts: int, n: int, seed: int, temperature: float = 1.0,
+             max_new_tokens: int = 512, max_batch_size: int = 512):
+    task = ArithmeticTask()
+    problems = task.dataset(n_prompts, HELD_OUT_SEED + seed)
+    tokenizer = load_tokenizer(model_dir)
+    engine = Engine(load_model(model_dir), tokenizer, EngineConfig(max_batch_size=max_batch_size))
+    params = SamplingParams(temperature=temperature, n=n, max_new_tokens=max_new_tokens, seed=seed)
+    completions, stats = engine.generate([tokenizer.encode(p["prompt"]) for p in problems], params)
+    rewards = [reward(c.text, problems[c.prompt_index]["answer"]) for c in completions]
+    return problems, completions, rewards, stats
+
+
+def run_demo(out_dir: Path, n_prompts: int = 64, n: int = 8, seed: int = 0) -> dict:
+    model_dir = ensure_base_model(SFTConfig())
+    problems, completions, rewards, stats = evaluate(model_dir, n_prompts, n, seed)
+    lengths = [len(c.token_ids) for c in completions]
+    report = {
+        "model": str(model_dir),
+        "samples": len(completions),
+        "accuracy": sum(rewards) / len(rewards),
+        "response_length": length_stats(lengths),
+        "reference_length": length_stats([len(p["trace"]) + 1 for p in problems]),
+        "tail": tail_share(stats, min(len(completions), 512)),
+        **{k: v for k, v in stats.summary().items() if k != "timeline"},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "completions.jsonl", "".join(
+        json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
+                    "reward": r, "finish_reason": c.finish_reason}) + "\n" for c, r in zip(completions, rewards)))
+    atomic_write_json(out_dir / "report.json", report)
+    atomic_write_json(out_dir / "timeline.json", stats.summary()["timeline"])
+    L, tail = report["response_length"], report["tail"]
+    print(f"base model: {model_dir}")
+    print(f"{len(completions)} samples ({n_prompts} prompts x {n}), temperature 1: accuracy {report['accuracy']:.1%}")
+    print(f"response length p50 {L['p50']:.0f}  p90 {L['p90']:.0f}  max {L['max']:.0f}  "
+          f"(max/p50 = {L['max_over_p50']:.1f})")
+    print(f"rollout {stats.seconds:.1f}s, {report['tokens_per_s']:.0f} tokens/s; "
+          f"{tail['time_share']:.0%} of decode time ran with <= {tail['running_at_most']} requests left")
+    print(f"wrote {out_dir}/report.json, completions.jsonl, timeline.json")
+    return report

@@ -1,0 +1,77 @@
+"""Prompt datasets: JSONL rows with a `prompt` string or chat `messages`.
+
+Every error names the file and the 1-based row, and is raised before any work starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tailtamer.errors import DataError
+from tailtamer.model.tokenizer import Tokenizer
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            row["_row"] = lineno
+            rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no rows (the file is empty)")
+    return rows
+
+
+def prompt_text(row: dict, tokenizer: Tokenizer, where: str) -> str:
+    """The text a row asks the model to continue: `prompt` as is, or `messages` through the
+    tokenizer's chat template with the generation prompt appended."""
+    if "prompt" in row:
+        prompt = row["prompt"]
+        if isinstance(prompt, list):  # verl-style datasets keep chat messages under `prompt`
+            return _chat(prompt, tokenizer, where)
+        if not isinstance(prompt, str):
+            raise DataError(f"{where}: field 'prompt' must be a string or a list of messages")
+        if not prompt:
+            raise DataError(f"{where}: field 'prompt' is empty")
+        return prompt
+    if "messages" in row:
+        return _chat(row["messages"], tokenizer, where)
+    raise DataError(f"{where}: row has neither 'prompt' nor 'messages'")
+
+
+def _chat(messages, tokenizer: Tokenizer, where: str) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {i} needs string fields 'role' and 'content'")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+
+
+def load_prompts(path: str | Path, tokenizer: Tokenizer) -> tuple[list[dict], list[list[int]]]:
+    """(rows, token ids per row) for a prompts file."""
+    rows = read_jsonl(path)
+    ids = []
+    for row in rows:
+        where = f"{path}:{row['_row']}"
+        text = prompt_text(row, tokenizer, where)
+        tokens = tokenizer.encode(text)
+        if not tokens:
+            raise DataError(f"{where}: prompt tokenizes to nothing")
+        ids.append(tokens)
+    return rows, ids

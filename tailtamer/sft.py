@@ -1,0 +1,156 @@
+"""`tailtamer sft`: train the built-in task's tiny base model on reference traces.
+
+The base model is deliberately under-trained: it has learned the format and most single
+steps, but still slips on long chains, so at temperature 1 it is right often enough for RL to
+have signal and wrong often enough for RL to have something to fix. Training is reproducible
+from the seed and the result is cached under a directory keyed by the config's hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tailtamer.atomic import atomic_write_json
+from tailtamer.errors import ConfigError
+from tailtamer.model.config import preset_config
+from tailtamer.model.io import init_model, save_model
+from tailtamer.model.tokenizer import Tokenizer, char_tokenizer
+from tailtamer.tasks.arithmetic import ArithmeticTask
+
+CACHE_ENV = "TAILTAMER_CACHE"
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    preset: str = "tiny"  # model size (see model.config.PRESETS)
+    steps: int = 700  # optimizer steps
+    batch_size: int = 32  # problems per step
+    lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to 10%)
+    warmup: int = 30
+    weight_decay: float = 0.01
+    seed: int = 0
+    task: ArithmeticTask = field(default_factory=ArithmeticTask)
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"sft.lr must be > 0, got {self.lr}")
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tailtamer")
+
+
+def encode_example(tok: Tokenizer, problem: dict) -> tuple[list[int], list[int]]:
+    """(ids, loss mask): the prompt is context only; the trace and EOS are learned."""
+    prompt, response = tok.encode(problem["prompt"]), tok.encode(problem["trace"]) + [tok.eos_token_id]
+    return prompt + response, [0] * len(prompt) + [1] * len(response)
+
+
+def make_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    for i, (x, m) in enumerate(examples):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.bool)
+    return ids, mask
+
+
+def length_bucketed_batches(tok: Tokenizer, cfg: SFTConfig, rng: random.Random, pool: int = 8):
+    """Endless batches of similar-length examples: with long-tailed lengths, padding every
+    batch to its longest member would waste most of the compute."""
+    while True:
+        examples = sorted((encode_example(tok, cfg.task.sample(rng)) for _ in range(pool * cfg.batch_size)),
+                          key=lambda e: len(e[0]))
+        chunks = [examples[i: i + cfg.batch_size] for i in range(0, len(examples), cfg.batch_size)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            yield make_batch(chunk, tok.pad_token_id)
+
+
+def lr_at(step: int, cfg: SFTConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    tok = char_tokenizer()
+    model_cfg = preset_config(cfg.preset, tok.vocab_size, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    model = init_model(model_cfg, seed=cfg.seed).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    t0, loss_ema = time.perf_counter(), None
+    batches = length_bucketed_batches(tok, cfg, rng)
+    for step in range(cfg.steps):
+        ids, mask = next(batches)
+        logits, _ = model(ids[:, :-1])
+        target_mask = mask[:, 1:]
+        loss = F.cross_entropy(logits[target_mask], ids[:, 1:][target_mask])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        if step % 50 == 0 or step == cfg.steps - 1:
+            log(f"sft step {step:4d}/{cfg.steps}  loss {loss_ema:.4f}  {time.perf_counter() - t0:6.1f}s")
+    model.eval()
+    out_dir = Path(out_dir)
+    save_model(model, out_dir)
+    tok.save(out_dir)
+    info = {"config": asdict(cfg), "final_loss": loss_ema, "seconds": time.perf_counter() - t0,
+            "parameters": model_cfg.num_parameters()}
+    atomic_write_json(out_dir / "sft.json", info)
+    return info
+
+
+def ensure_base_model(cfg: SFTConfig = SFTConfig(), log: Callable[[str], None] = print) -> Path:
+    """The cached base model for `cfg`, trained first if it is not there yet.
+
+    Training writes into a temporary sibling directory that is renamed into place at the end,
+    so an interrupted run never leaves a half-written model in the cache.
+    """
+    target = cache_root() / f"base-{cfg.preset}-{cfg.key()}"
+    if (target / "sft.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log(f"training the base model into {target} (cached for later runs)")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        train_sft(cfg, tmp, log)
+        if target.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from tailtamer.model.config import ModelConfig
+from tailtamer.model.io import init_model, save_model
+from tailtamer.model.tokenizer import char_tokenizer
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(vocab_size=char_tokenizer().vocab_size, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, eos_token_id=1, pad_token_id=0)
+    return ModelConfig(**{**base, **overrides})
+
+
+def random_model(cfg: ModelConfig | None = None, seed: int = 0, std: float = 0.3):
+    """A random model with large enough weights that its distributions are far from uniform,
+    and random (non-zero) biases so that bias handling is exercised."""
+    model = init_model(cfg or tiny_config(), seed=seed, std=std)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A saved random Qwen2 model with the built-in character tokenizer."""
+    out = tmp_path / "model"
+    save_model(random_model(), out)
+    char_tokenizer().save(out)
+    return out
