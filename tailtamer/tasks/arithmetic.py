@@ -52,8 +52,8 @@ class ArithmeticTask:
     def sample(self, rng: random.Random) -> dict:
         """One problem: {"prompt", "answer", "trace"} (trace = a correct reference response)."""
         k = rng.choices(range(self.min_ops, self.max_ops + 1), weights=self.num_ops_weights())[0]
-        value = rng.randint(10, self.max_value)
-        start, ops, lines = value, [], []
+        start = value = rng.randint(10, self.max_value)
+        ops = []
         for _ in range(k):
             d = rng.randint(1, 9)
             sign = rng.choice("+-")
@@ -61,14 +61,23 @@ class ArithmeticTask:
                 sign = "-"
             elif sign == "-" and value - d < 0:
                 sign = "+"
-            new = value + d if sign == "+" else value - d
+            value = value + d if sign == "+" else value - d
             ops.append(f"{sign}{d}")
-            lines.append(f"{value}{sign}{d}={new}")
+        return {"prompt": f"{start}{''.join(ops)}=?\n", "answer": str(value),
+                "trace": self.write_trace(start, ops, rng)}
+
+    def write_trace(self, start: int, ops: list[str], rng: random.Random) -> str:
+        """A correct step-by-step response; its self-check lines are random, so one prompt
+        has correct responses of many lengths."""
+        value, lines = start, []
+        for op in ops:
+            new = value + int(op)
+            lines.append(f"{value}{op}={new}")
             if rng.random() < self.check_prob:
-                lines.append(f"check {value}{sign}{d}={new} ok")
+                lines.append(f"check {value}{op}={new} ok")
             value = new
         lines.append(f"answer: {value}")
-        return {"prompt": f"{start}{''.join(ops)}=?\n", "answer": str(value), "trace": "\n".join(lines)}
+        return "\n".join(lines)
 
     def dataset(self, n: int, seed: int) -> list[dict]:
         rng = random.Random(seed)

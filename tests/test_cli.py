@@ -1,0 +1,112 @@
+"""The `tailtamer` command line, end to end on a tiny random model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tailtamer.cli import main
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_generate_writes_rows_and_stats(model_dir, tmp_path):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "12+3=?\n"}), "",
+                                            json.dumps({"messages": [{"role": "user", "content": "hi"}]})])
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--n", "3", "--max-new-tokens", "8", "--temperature", "0.8", "--top-p", "0.9",
+                 "--stats", str(stats)])
+    assert code == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(i, j) for i in range(2) for j in range(3)]
+    for r in rows:
+        assert set(r) == {"prompt_index", "sample_index", "text", "token_ids", "finish_reason"}
+        assert 1 <= len(r["token_ids"]) <= 8 and r["finish_reason"] in ("stop", "length")
+    s = json.loads(stats.read_text())
+    assert s["tokens"] == sum(len(r["token_ids"]) for r in rows)
+    assert s["accept_len_mean"] == 1.0 and s["tokens_per_s"] > 0 and s["seconds"] > 0
+    assert len(s["timeline"]) == s["decode_steps"]
+
+
+def test_generate_is_reproducible_and_greedy_is_deterministic(model_dir, tmp_path):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "5+5=?\n"})])
+
+    def run(*extra):
+        out = tmp_path / "o.jsonl"
+        assert main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+                     "--max-new-tokens", "10", *extra]) == 0
+        return out.read_text()
+
+    assert run("--seed", "3", "--n", "4") == run("--seed", "3", "--n", "4")
+    assert run("--temperature", "0") == run("--temperature", "0", "--dtype", "float64")
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "no rows (the file is empty)"),
+    ('{"prompt": "a"}\n{"prompt": \n', "p.jsonl:2: not valid JSON"),
+    ('{"prompt": "a"}\n[1, 2]\n', "p.jsonl:2: expected a JSON object"),
+    ('{"text": "a"}\n', "p.jsonl:1: row has neither 'prompt' nor 'messages'"),
+    ('{"prompt": 3}\n', "p.jsonl:1: field 'prompt' must be a string"),
+    ('{"prompt": ""}\n', "p.jsonl:1: field 'prompt' is empty"),
+    ('{"messages": [{"role": "user"}]}\n', "p.jsonl:1: message 0 needs string fields"),
+    ('{"prompt": "a"}\n{"prompt": "' + "x" * 300 + '"}\n', "p.jsonl:2: prompt has 300 tokens; the context holds 256"),
+])
+def test_bad_prompt_files_name_file_and_row(model_dir, tmp_path, capsys, content, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(content)
+    out = tmp_path / "out.jsonl"
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
+    assert message in err, err
+    assert not out.exists()  # nothing half-written
+
+
+def test_missing_files_are_clear_errors(model_dir, tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompts", "x", "--out", "y"]) == 2
+    assert "tokenizer.json not found" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(tmp_path / "none.jsonl"),
+                 "--out", "y"]) == 2
+    assert "none.jsonl: file not found" in capsys.readouterr().err
+
+
+def test_bad_sampling_flag_is_a_clear_error(model_dir, tmp_path, capsys):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", "o",
+                 "--top-p", "0"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_init_model_and_task_feed_generate(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tmp_path / "m"
+    assert main(["init-model", "--preset", "tiny", "--arch", "llama", "--out", str(model)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(model)
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.hidden_size == 128
+    prompts = tmp_path / "task.jsonl"
+    assert main(["task", "--n", "5", "--out", str(prompts)]) == 0
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    assert len(rows) == 5 and all(r["prompt"].endswith("=?\n") and r["answer"].isdigit() for r in rows)
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "4"]) == 0
+    assert len(out.read_text().splitlines()) == 5
+
+
+def test_unknown_preset(tmp_path, capsys):
+    assert main(["init-model", "--preset", "huge", "--out", str(tmp_path)]) == 2
+    assert "unknown model preset 'huge'" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point():
+    result = subprocess.run([sys.executable, "-m", "tailtamer", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    for command in ("generate", "sft", "init-model", "demo", "bench"):
+        assert command in result.stdout

@@ -1,0 +1,95 @@
+"""SFT of the base model: loss masking, schedule, caching, and that training learns."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tailtamer.errors import ConfigError
+from tailtamer.model.io import load_model
+from tailtamer.model.tokenizer import char_tokenizer, load_tokenizer
+from tailtamer.sft import SFTConfig, encode_example, ensure_base_model, lr_at, make_batch, train_sft
+from tailtamer.tasks.arithmetic import ArithmeticTask
+
+
+def test_only_the_response_and_eos_are_learned():
+    tok = char_tokenizer()
+    ids, mask = encode_example(tok, {"prompt": "1+2=?\n", "trace": "1+2=3\nanswer: 3"})
+    assert len(ids) == len(mask) == 6 + 15 + 1
+    assert mask == [0] * 6 + [1] * 16
+    assert ids[-1] == tok.eos_token_id
+
+
+def test_batches_pad_and_mask():
+    ids, mask = make_batch([([5, 6, 7], [0, 1, 1]), ([8], [1])], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert mask.tolist() == [[False, True, True], [True, False, False]]
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    cfg = SFTConfig(steps=100, warmup=10, lr=1.0)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(99, cfg) == pytest.approx(0.1, abs=1e-3)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 99))
+
+
+def _heldout_loss(model, tok, seed=99):
+    rng = random.Random(seed)
+    ids, mask = make_batch([encode_example(tok, ArithmeticTask().sample(rng)) for _ in range(32)], tok.pad_token_id)
+    with torch.no_grad():
+        logits, _ = model(ids[:, :-1])
+    return F.cross_entropy(logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]]).item()
+
+
+def test_a_short_run_lowers_held_out_loss(tmp_path):
+    from tailtamer.model.config import preset_config
+    from tailtamer.model.io import init_model
+
+    cfg = SFTConfig(steps=40, batch_size=16, warmup=5)
+    tok = char_tokenizer()
+    before = init_model(preset_config("tiny", tok.vocab_size, tie_word_embeddings=True), seed=cfg.seed)
+    train_sft(cfg, tmp_path, log=lambda _: None)
+    after = load_model(tmp_path)
+    assert load_tokenizer(tmp_path).encode("1+2") == tok.encode("1+2")
+    assert _heldout_loss(after, tok) < 0.75 * _heldout_loss(before, tok)
+
+
+def test_base_model_is_cached_by_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path))
+    cfg = SFTConfig(steps=2, batch_size=2, warmup=1)
+    logs = []
+    first = ensure_base_model(cfg, log=logs.append)
+    assert logs and (first / "model.safetensors").is_file()
+    logs.clear()
+    assert ensure_base_model(cfg, log=logs.append) == first and not logs
+    other = ensure_base_model(SFTConfig(steps=2, batch_size=2, warmup=1, seed=1), log=logs.append)
+    assert other != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])  # no temp dirs left
+
+
+@pytest.mark.parametrize("kwargs,field", [({"steps": 0}, "steps"), ({"batch_size": 0}, "batch_size"),
+                                          ({"lr": 0.0}, "lr")])
+def test_bad_sft_config(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        SFTConfig(**kwargs)
+
+
+@pytest.mark.slow
+def test_default_base_model_is_imperfect_and_long_tailed():
+    """The built-in base model (trained here if not cached, ~5 min): RL needs it to be right
+    sometimes and wrong sometimes, and its own samples must show the long tail."""
+    from tailtamer.demo import evaluate
+    from tailtamer.tasks.arithmetic import length_stats
+
+    _, completions, rewards, _ = evaluate(ensure_base_model(SFTConfig()), n_prompts=48, n=8, seed=0)
+    accuracy = sum(rewards) / len(rewards)
+    assert 0.2 <= accuracy <= 0.8
+    lengths = length_stats([len(c.token_ids) for c in completions])
+    assert lengths["max"] / lengths["p50"] >= 6
+    # Sibling samples of one prompt differ in length, not only prompts from each other.
+    by_prompt = {}
+    for c in completions:
+        by_prompt.setdefault(c.prompt_index, set()).add(len(c.token_ids))
+    assert sum(len(v) > 1 for v in by_prompt.values()) >= len(by_prompt) // 2
