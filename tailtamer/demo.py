@@ -22,15 +22,15 @@ HELD_OUT_SEED = 1_000_003  # SFT draws its problems from SFTConfig.seed; evaluat
 
 
 def tail_share(stats: RolloutStats, batch: int, fraction: float = 0.25) -> dict:
-    """Share of decode time with at most `fraction` of the batch still running."""
-    times = [t for t, _ in stats.timeline]
-    steps = [(t1 - t0, n) for (t0, _), (t1, n) in zip([(0.0, 0)] + stats.timeline[:-1], stats.timeline)]
-    total = sum(dt for dt, _ in steps) or 1.0
+    """Share of decode time (and steps) with at most `fraction` of the batch still running."""
+    ends = [t for t, _ in stats.timeline]
+    durations = [t1 - t0 for t0, t1 in zip([0.0] + ends[:-1], ends)]
     limit = max(1, int(batch * fraction))
-    tail = sum(dt for dt, n in steps if n <= limit)
-    return {"running_at_most": limit, "time_share": tail / total,
-            "step_share": sum(1 for _, n in steps if n <= limit) / max(1, len(steps)),
-            "decode_seconds": times[-1] if times else 0.0}
+    in_tail = [n <= limit for _, n in stats.timeline]
+    total = sum(durations) or 1.0
+    return {"running_at_most": limit,
+            "time_share": sum(d for d, tail in zip(durations, in_tail) if tail) / total,
+            "step_share": sum(in_tail) / max(1, len(in_tail))}
 
 
 def evaluate(model_dir: Path, n_prompts: int, n: int, seed: int, temperature: float = 1.0,

@@ -58,6 +58,20 @@ def test_prefill_then_decode_chunks_equal_full_forward(pair):
     assert (torch.cat(parts, 1) - full).abs().max() < 1e-4
 
 
+def test_consecutive_slots_as_a_slice_equal_slot_ids():
+    cfg = tiny_config()
+    model = random_model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4))
+    results = []
+    for slots in (slice(1, 4), torch.tensor([1, 2, 3])):
+        cache = KVCache(cfg, slots=5, max_len=32)
+        with torch.no_grad():
+            model.prefill(ids[:, :7], cache, slots)
+            results.append(model.decode(ids[:, 7:], cache, slots, torch.full((3,), 7))[0])
+            assert cache.k[:, 0].abs().sum() == 0 and cache.k[:, 4].abs().sum() == 0  # other slots untouched
+    assert torch.equal(results[0], results[1])
+
+
 def test_decode_at_different_lengths_per_sequence():
     cfg = tiny_config()
     model = random_model(cfg)

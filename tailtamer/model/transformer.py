@@ -59,19 +59,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, mask=None, kv=None):
-        """`mask`: bool (B, 1, T, S) or None for causal; `kv`: (k_cache, v_cache, slots, index, S) or None."""
+        """`mask`: bool (B, 1, T, S) or None for causal; `kv`: (k_cache, v_cache, CacheView) or None."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv is not None:
-            k_cache, v_cache, slots, index, span = kv
-            # Cache rows are (slot, kv_head, position, dim); advanced indices put (B, T) first.
-            k_cache[slots[:, None], :, index] = k.transpose(1, 2)
-            v_cache[slots[:, None], :, index] = v.transpose(1, 2)
-            k = k_cache[:, :, :span].index_select(0, slots)
-            v = v_cache[:, :, :span].index_select(0, slots)
+            k_cache, v_cache, view = kv
+            k, v = view.update(k_cache, k), view.update(v_cache, v)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
         )
@@ -102,6 +98,26 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class CacheView:
+    """Where one decode call writes and reads: cache rows `slots` (a tensor of slot ids, or a
+    slice when the batch occupies consecutive slots, which needs no gather), new tokens at
+    cache index `index` (B, q), keys and values read up to `span`."""
+
+    def __init__(self, slots: torch.Tensor | slice, index: torch.Tensor, span: int):
+        self.slots, self.index, self.span = slots, index, span
+        rows = torch.arange(index.shape[0], device=index.device) if isinstance(slots, slice) else slots
+        self.rows = rows[:, None]
+
+    def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Write new (B, kv_heads, q, dim) into the cache and return this batch's (B, kv_heads, span, dim)."""
+        target = cache[self.slots] if isinstance(self.slots, slice) else cache
+        # Cache rows are (slot, kv_head, position, dim); advanced indices put (B, q) first.
+        target[self.rows, :, self.index] = new.transpose(1, 2)
+        if isinstance(self.slots, slice):
+            return target[:, :, : self.span]
+        return cache[:, :, : self.span].index_select(0, self.slots)
+
+
 class KVCache:
     """Static KV cache, one (slots, kv_heads, max_len, head_dim) tensor pair per layer.
 
@@ -116,7 +132,8 @@ class KVCache:
         self.slots, self.max_len = slots, max_len
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Share a prefilled prompt between sibling samples of one prompt."""
+        """Copy the first `length` rows of a slot: to share a prefilled prompt between sibling
+        samples, or to move a request into a lower slot and keep the batch contiguous."""
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
@@ -153,11 +170,11 @@ class Transformer(nn.Module):
             self._inv_freq[key] = (1.0 / self.config.rope_theta ** exponents).to(key[1])
         return self._inv_freq[key]
 
-    def _run(self, ids, positions, mask=None, cache=None, slots=None, index=None, span=None):
+    def _run(self, ids, positions, mask=None, cache=None, view=None):
         x = self.embed_tokens(ids)
         cos, sin = rotary_tables(self.inv_freq(), positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i], slots, index, span)
+            kv = None if cache is None else (cache.k[i], cache.v[i], view)
             x = layer(x, cos, sin, mask, kv)
         hidden = self.norm(x)
         return self.lm_head(hidden), hidden
@@ -171,11 +188,12 @@ class Transformer(nn.Module):
         mask = None if attn_mask is None else attn_mask[:, None]
         return self._run(input_ids, positions, mask)
 
-    def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor, starts: torch.Tensor,
+    def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor | slice, starts: torch.Tensor,
                positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None):
         """Run q = input_ids.shape[1] new tokens per sequence against the cache.
 
-        input_ids (B, q); slots (B,) cache slot per sequence; starts (B,) number of cache rows
+        input_ids (B, q); slots (B,) cache slot per sequence, or slice(a, a + B) for consecutive
+        slots (no gather); starts (B,) number of cache rows
         already valid; positions (B, q) rotary positions (default starts + arange(q));
         tree_mask (B, q, q) bool, row i = new tokens that token i may attend to (default causal).
         Returns logits (B, q, V) and hidden states (B, q, H).
@@ -197,9 +215,9 @@ class Transformer(nn.Module):
         in_new = (rel >= 0) & (rel < q)
         new_visible = torch.gather(tree_mask, 2, rel.clamp(0, q - 1).expand(B, q, span))
         mask = past | (in_new & new_visible)
-        return self._run(input_ids, positions, mask[:, None], cache, slots, index, span)
+        return self._run(input_ids, positions, mask[:, None], cache, CacheView(slots, index, span))
 
-    def prefill(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor):
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor | slice):
         """Prompts right-padded to a common length; pads sit after each prompt, so causal
         attention never lets a real token see one, and decode later overwrites their rows."""
         starts = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)

@@ -129,11 +129,10 @@ class Engine:
         slots = min(self.config.max_batch_size, len(requests))
         cache = self._cache_for(slots, max(r.budget for r in requests))
         queue, running, done = deque(requests), [], []
-        free = list(range(slots))[::-1]
         stats, start = RolloutStats(), time.perf_counter()
         device = self.model.device
         while queue or running:
-            admitted = self._admit(queue, running, free)
+            admitted = self._admit(queue, running, slots)
             if admitted:
                 t0 = time.perf_counter()
                 self._prefill(admitted, cache, params)
@@ -141,37 +140,46 @@ class Engine:
                 running += admitted
             else:
                 ids = torch.tensor([[r.output_ids[-1]] for r in running], device=device)
-                slot_t = torch.tensor([r.slot for r in running], device=device)
                 starts = torch.tensor([r.cached for r in running], device=device)
-                logits, _ = self.model.decode(ids, cache, slot_t, starts)
+                logits, _ = self.model.decode(ids, cache, slice(0, len(running)), starts)
                 self._emit(running, logits[:, -1], params)
                 for r in running:
                     r.cached += 1
                 stats.decode_steps += 1
                 stats.timeline.append((time.perf_counter() - start, len(running)))
-            for r in [r for r in running if r.finish_reason]:
-                running.remove(r)
-                free.append(r.slot)
-                done.append(r)
+            done += [r for r in running if r.finish_reason]
+            running = self._compact(running, cache)
         stats.seconds = time.perf_counter() - start
         stats.tokens = sum(len(r.output_ids) for r in done)
         done.sort(key=lambda r: (r.prompt_index, r.sample_index))
         return [self._complete(r) for r in done], stats
 
-    def _admit(self, queue: deque, running: list[Request], free: list[int]) -> list[Request]:
+    def _admit(self, queue: deque, running: list[Request], slots: int) -> list[Request]:
         budget = self.config.max_tokens
         used = sum(r.budget for r in running)
         admitted = []
-        while queue and free:
+        while queue and len(running) + len(admitted) < slots:
             r = queue[0]
             # Always admit into an empty engine, so a request larger than the budget still runs.
             if budget is not None and used + r.budget > budget and (running or admitted):
                 break
             queue.popleft()
-            r.slot = free.pop()
+            r.slot = len(running) + len(admitted)
             used += r.budget
             admitted.append(r)
         return admitted
+
+    @staticmethod
+    def _compact(running: list[Request], cache: KVCache) -> list[Request]:
+        """Drop finished requests and move the highest-slot survivors into their holes, so the
+        batch always occupies slots 0..B-1 and attention reads the cache without a gather."""
+        alive = [r for r in running if not r.finish_reason]
+        holes = sorted(r.slot for r in running if r.finish_reason and r.slot < len(alive))
+        movers = sorted((r for r in alive if r.slot >= len(alive)), key=lambda r: r.slot)
+        for hole, r in zip(holes, movers):
+            cache.copy_slot(r.slot, hole, r.cached)
+            r.slot = hole
+        return sorted(alive, key=lambda r: r.slot)
 
     def _prefill(self, admitted: list[Request], cache: KVCache, params: SamplingParams) -> None:
         """One forward for the distinct prompts (right-padded); siblings copy the KV rows."""
