@@ -118,3 +118,52 @@ def bench_random_model(preset: str, repeats: int = 3, new_tokens: int = 64) -> d
     with tempfile.TemporaryDirectory() as tmp:
         save_model(init_model(preset_config(preset, vocab_size=4096)), tmp)
         return bench_decode(tmp, repeats, new_tokens)
+
+
+SD_STRATEGIES = ("2_1_3", "4_1_5", "4_2_8", "6_3_12")
+SD_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STRATEGIES, repeats: int = 1,
+             new_tokens: int = 256, temperature: float = 1.0) -> dict:
+    """Accept length and speedup of speculative decoding over plain decoding on the built-in
+    task, with the warmed-up EAGLE drafter and with the n-gram drafter, per batch size.
+
+    For batch size B the engine runs max(8, B) prompts with at most B at once; plain and SD
+    runs are interleaved and use the same seeds, so they emit the same tokens (checked)."""
+    from tailtamer.drafter.train import ensure_builtin_drafter
+    from tailtamer.model.tokenizer import load_tokenizer
+    from tailtamer.rollout.ngram import NgramProposer
+    from tailtamer.rollout.speculative import EagleProposer, Strategy
+    from tailtamer.tasks.arithmetic import ArithmeticTask
+
+    path = _default_model_dir(model_dir)
+    model, tokenizer = load_model(path), load_tokenizer(path)
+    drafter = ensure_builtin_drafter(path, model, tokenizer)
+    problems = ArithmeticTask(min_ops=4).dataset(max(batches + (8,)), seed=424242)
+    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1)
+    arms = [(f"eagle {s}", lambda s=s: (EagleProposer(drafter), Strategy.parse(s))) for s in strategies]
+    arms.append(("ngram 4_1_5", lambda: (NgramProposer(), Strategy.parse("4_1_5"))))
+    rows = []
+    for batch in batches:
+        prompts = [tokenizer.encode(p["prompt"]) for p in problems[: max(8, batch)]]
+        config = EngineConfig(max_batch_size=batch)
+        plain_engine = Engine(model, tokenizer, config)
+        plain_engine.generate(prompts[:1], params)  # warm-up
+        for name, make in arms:
+            proposer, strategy = make()
+            engine = Engine(model, tokenizer, config, proposer=proposer, strategy=strategy)
+            engine.generate(prompts[:1], params)
+            t_plain, t_sd = [], []
+            for _ in range(repeats):
+                plain, plain_stats = plain_engine.generate(prompts, params)
+                t_plain.append(plain_stats.seconds)
+                sd, stats = engine.generate(prompts, params)
+                t_sd.append(stats.seconds)
+            same = sum(a.token_ids == b.token_ids for a, b in zip(plain, sd)) / len(sd)
+            rows.append({"batch": batch, "drafter": name, "accept_len": round(stats.accept_len_mean, 3),
+                         "speedup": round(statistics.median(t_plain) / statistics.median(t_sd), 3),
+                         "plain_tokens_per_s": round(sum(len(c.token_ids) for c in plain) / statistics.median(t_plain), 1),
+                         "identical_outputs": same})
+    return {"model": str(path), "temperature": temperature, "new_tokens": new_tokens, "threads": torch.get_num_threads(),
+            "rows": rows}

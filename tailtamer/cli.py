@@ -20,13 +20,17 @@ def cmd_generate(args) -> None:
     from tailtamer.rl.data import load_prompts
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
+    from tailtamer.rollout.speculative import SpecConfig, make_speculator
 
+    spec = SpecConfig(mode=args.spec, strategy=args.strategy, drafter=args.drafter)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
     tokenizer = load_tokenizer(args.model)
     rows, prompts = load_prompts(args.prompts, tokenizer)
     model = load_model(args.model, args.dtype, args.device)
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size))
+    proposer, strategy = make_speculator(spec, model)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
+                    proposer=proposer, strategy=strategy)
     labels = [f"{args.prompts}:{row['_row']}" for row in rows]
     completions, stats = engine.generate(prompts, params, labels)
     lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
@@ -36,7 +40,33 @@ def cmd_generate(args) -> None:
     if args.stats:
         atomic_write_json(args.stats, summary)
     print(f"wrote {len(completions)} completions to {args.out}: {summary['tokens']} tokens in "
-          f"{summary['seconds']:.2f}s ({summary['tokens_per_s']:.1f} tokens/s)")
+          f"{summary['seconds']:.2f}s ({summary['tokens_per_s']:.1f} tokens/s, "
+          f"accept length {summary['accept_len_mean']:.2f})")
+
+
+def cmd_drafter_train(args) -> None:
+    from dataclasses import replace
+
+    from tailtamer.atomic import atomic_write_json
+    from tailtamer.drafter.train import DrafterTrainConfig, encode_texts, read_texts, train_drafter
+    from tailtamer.model.drafter import load_drafter, save_drafter
+    from tailtamer.model.io import load_model
+    from tailtamer.model.tokenizer import load_tokenizer
+
+    cfg = replace(DrafterTrainConfig(), **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
+                                                              ("seed", args.seed)) if v is not None})
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    if args.data == "builtin":
+        from tailtamer.tasks.arithmetic import ArithmeticTask
+
+        texts = [p["prompt"] + p["trace"] for p in ArithmeticTask().dataset(4000, seed=cfg.seed + 7)]
+    else:
+        texts = read_texts(args.data)
+    start = load_drafter(args.init, model) if args.init else None
+    drafter, info = train_drafter(model, encode_texts(tokenizer, texts, cfg.max_len), cfg, drafter=start)
+    save_drafter(drafter, args.out)
+    atomic_write_json(Path(args.out) / "train.json", info)
+    print(f"wrote the drafter to {args.out} (top-1 agreement with the target {info['final']['top1']:.1%})")
 
 
 def cmd_sft(args) -> None:
@@ -85,11 +115,15 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from tailtamer.bench import bench_decode, bench_random_model
+    from tailtamer.bench import bench_decode, bench_random_model, bench_sd
 
     if args.preset and args.model:
         raise TailtamerError("give --model or --preset, not both")
-    if args.preset:
+    if args.what == "sd":
+        if args.preset:
+            raise TailtamerError("bench sd needs a trained model and drafter; --preset is for bench decode")
+        report = bench_sd(args.model, repeats=args.repeats)
+    elif args.preset:
         report = bench_random_model(args.preset, args.repeats, args.new_tokens)
     else:
         report = bench_decode(args.model, args.repeats, args.new_tokens)
@@ -121,6 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats", help="write throughput and the running-requests timeline as JSON")
     g.set_defaults(func=cmd_generate)
 
+    g.add_argument("--spec", default="off", choices=["off", "on", "adaptive"], help="speculative decoding")
+    g.add_argument("--strategy", default="4_2_8", help="DEPTH_TOPK_VERIFY draft tree")
+    g.add_argument("--drafter", help="EAGLE drafter directory, or 'ngram'")
+
+    dr = sub.add_parser("drafter", help="drafter tools")
+    dsub = dr.add_subparsers(dest="drafter_command", required=True)
+    dt = dsub.add_parser("train", help="offline warm-up of an EAGLE drafter on the target's hidden states")
+    dt.add_argument("--model", required=True, help="target model directory")
+    dt.add_argument("--data", required=True, help="JSONL with 'text' (or 'prompt' + 'response'), or 'builtin'")
+    dt.add_argument("--out", required=True, help="drafter directory to write")
+    dt.add_argument("--init", help="continue from this drafter directory")
+    dt.add_argument("--steps", type=int)
+    dt.add_argument("--lr", type=float)
+    dt.add_argument("--seed", type=int)
+    dt.set_defaults(func=cmd_drafter_train)
+
     s = sub.add_parser("sft", help="train (or find in the cache) the built-in task's base model")
     s.add_argument("--out", help="train into this directory instead of the cache")
     s.add_argument("--steps", type=int)
@@ -150,10 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks; prints a JSON report of ratios")
-    b.add_argument("what", choices=["decode"])
+    b.add_argument("what", choices=["decode", "sd"])
     b.add_argument("--model", help="model directory (default: the built-in base model)")
     b.add_argument("--preset", help="benchmark a random model of this preset size instead")
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--out", help="also write the report here")
     b.set_defaults(func=cmd_bench)

@@ -110,3 +110,43 @@ def test_python_dash_m_entry_point():
     assert result.returncode == 0
     for command in ("generate", "sft", "init-model", "demo", "bench"):
         assert command in result.stdout
+
+
+def test_generate_with_speculation_matches_plain(model_dir, tmp_path):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "12+3=?\n"}), json.dumps({"prompt": "7-2=?\n"})])
+    drafter = tmp_path / "drafter"
+    assert main(["drafter", "train", "--model", str(model_dir), "--data", str(prompts_as_texts(tmp_path)),
+                 "--out", str(drafter), "--steps", "5"]) == 0
+    assert (drafter / "config.json").is_file() and (drafter / "train.json").is_file()
+    outputs = {}
+    for name, extra in {"plain": [], "eagle": ["--spec", "on", "--drafter", str(drafter), "--strategy", "3_2_6"],
+                        "ngram": ["--spec", "on", "--drafter", "ngram"]}.items():
+        out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+        assert main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+                     "--n", "2", "--max-new-tokens", "20", "--seed", "4", "--stats", str(stats), *extra]) == 0
+        outputs[name] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+        s = json.loads(stats.read_text())
+        assert {"accept_len_mean", "accept_len_hist", "accept_rate_by_position", "drafted_tokens",
+                "accepted_tokens"} <= set(s)
+    assert outputs["plain"] == outputs["eagle"] == outputs["ngram"]
+
+
+def prompts_as_texts(tmp_path):
+    return _write(tmp_path / "texts.jsonl", [json.dumps({"text": "12+3=15\nanswer: 15"})] * 4)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--spec", "on"], "needs a drafter"),
+    (["--spec", "on", "--drafter", "ngram", "--strategy", "8x4"], "not DEPTH_TOPK_VERIFY"),
+    (["--spec", "adaptive", "--drafter", "ngram"], "not available yet"),
+])
+def test_bad_speculation_flags(model_dir, tmp_path, capsys, extra, message):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", "o", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_drafter_train_bad_data(model_dir, tmp_path, capsys):
+    data = _write(tmp_path / "d.jsonl", [json.dumps({"text": "ok"}), json.dumps({"prompt": 1})])
+    assert main(["drafter", "train", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o")]) == 2
+    assert "d.jsonl:2: need a string 'text'" in capsys.readouterr().err

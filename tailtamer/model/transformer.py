@@ -14,6 +14,8 @@ The "hidden states" returned are the final, post-norm ones: what EAGLE drafters 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,13 @@ class RMSNorm(nn.Module):
         xf = x.to(compute)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+@lru_cache(maxsize=32)
+def inv_freq(rope_theta: float, head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Rotary frequencies, in float64 for float64 models and float32 otherwise (as transformers)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+    return (1.0 / rope_theta ** exponents).to(torch.float64 if dtype == torch.float64 else torch.float32)
 
 
 def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
@@ -137,8 +146,36 @@ class KVCache:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
+    def move_rows(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Move cache rows within a slot (all sources are read before any write): how an
+        accepted draft path is committed to consecutive positions."""
+        s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
+        self.k[:, slot, :, d] = self.k[:, slot, :, s]
+        self.v[:, slot, :, d] = self.v[:, slot, :, s]
+
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+def decode_inputs(input_ids, cache: KVCache, slots, starts, positions=None, tree_mask=None):
+    """Rotary positions, the (B, 1, q, span) attention mask and the CacheView of a decode call."""
+    B, q = input_ids.shape
+    offsets = torch.arange(q, device=input_ids.device)
+    index = starts[:, None] + offsets
+    if positions is None:
+        positions = index
+    span = int(starts.max()) + q
+    if span > cache.max_len:
+        raise ValueError(f"sequence of {span} tokens exceeds the KV cache length {cache.max_len}")
+    if tree_mask is None:
+        tree_mask = (offsets[:, None] >= offsets[None, :]).expand(B, q, q)
+    window = tree_mask.shape[-1]
+    key = torch.arange(span, device=input_ids.device)
+    rel = key[None, None, :] - (starts + q - window)[:, None, None]  # key index within the window
+    inside = (rel >= 0) & (rel < window)
+    visible = torch.gather(tree_mask, 2, rel.clamp(0, window - 1).expand(B, q, span))
+    mask = (rel < 0) | (inside & visible)
+    return positions, mask[:, None], CacheView(slots, index, span)
 
 
 class Transformer(nn.Module):
@@ -151,7 +188,6 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._inv_freq: dict[tuple, torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -161,18 +197,10 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def inv_freq(self) -> torch.Tensor:
-        # Rotary angles in float64 for float64 models, float32 otherwise (as transformers does).
-        key = (self.device, torch.float64 if self.dtype == torch.float64 else torch.float32)
-        if key not in self._inv_freq:
-            hd = self.config.head_size
-            exponents = torch.arange(0, hd, 2, dtype=torch.float64, device=key[0]) / hd
-            self._inv_freq[key] = (1.0 / self.config.rope_theta ** exponents).to(key[1])
-        return self._inv_freq[key]
-
     def _run(self, ids, positions, mask=None, cache=None, view=None):
         x = self.embed_tokens(ids)
-        cos, sin = rotary_tables(self.inv_freq(), positions, x.dtype)
+        cfg = self.config
+        cos, sin = rotary_tables(inv_freq(cfg.rope_theta, cfg.head_size, x.device, x.dtype), positions, x.dtype)
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i], view)
             x = layer(x, cos, sin, mask, kv)
@@ -195,27 +223,14 @@ class Transformer(nn.Module):
         input_ids (B, q); slots (B,) cache slot per sequence, or slice(a, a + B) for consecutive
         slots (no gather); starts (B,) number of cache rows
         already valid; positions (B, q) rotary positions (default starts + arange(q));
-        tree_mask (B, q, q) bool, row i = new tokens that token i may attend to (default causal).
+        tree_mask (B, q, W) bool over the last W >= q cache rows ending with the new tokens: row i
+        says which of them token i may attend to (default causal over the new tokens; W > q lets
+        a draft tree attend to the nodes of earlier draft steps selectively). Rows before the
+        window are always visible.
         Returns logits (B, q, V) and hidden states (B, q, H).
         """
-        B, q = input_ids.shape
-        offsets = torch.arange(q, device=input_ids.device)
-        index = starts[:, None] + offsets
-        if positions is None:
-            positions = index
-        span = int(starts.max()) + q
-        if span > cache.max_len:
-            raise ValueError(f"sequence of {span} tokens exceeds the KV cache length {cache.max_len}")
-        if tree_mask is None:
-            tree_mask = offsets[None, :, None] >= offsets[None, None, :]
-            tree_mask = tree_mask.expand(B, q, q)
-        key = torch.arange(span, device=input_ids.device)
-        rel = key[None, None, :] - starts[:, None, None]  # (B, 1, span): key index relative to start
-        past = rel < 0
-        in_new = (rel >= 0) & (rel < q)
-        new_visible = torch.gather(tree_mask, 2, rel.clamp(0, q - 1).expand(B, q, span))
-        mask = past | (in_new & new_visible)
-        return self._run(input_ids, positions, mask[:, None], cache, CacheView(slots, index, span))
+        positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask)
+        return self._run(input_ids, positions, mask, cache, view)
 
     def prefill(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor | slice):
         """Prompts right-padded to a common length; pads sit after each prompt, so causal

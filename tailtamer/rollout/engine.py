@@ -19,6 +19,7 @@ import torch
 from tailtamer.errors import ConfigError, DataError
 from tailtamer.model.transformer import KVCache, Transformer
 from tailtamer.rollout.sampling import SamplingParams, request_generator, sample, target_probs
+from tailtamer.rollout.speculative import Strategy, children_of, walk_tree
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class Request:
     cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     stop_at: int | None = None  # character offset where a stop string begins
+    # Speculative decoding with a learned drafter: pairs (h_j, x_{j+1}) it has not seen yet.
+    draft_cached: int = 0
+    extend_hidden: list = field(default_factory=list)
+    extend_tokens: list[int] = field(default_factory=list)
 
     @property
     def budget(self) -> int:
@@ -68,26 +73,55 @@ class RolloutStats:
     tokens: int = 0
     seconds: float = 0.0
     prefill_s: float = 0.0
-    decode_steps: int = 0
-    accept_len_mean: float = 1.0  # tokens per target forward per request; 1 without SD
+    decode_steps: int = 0  # target forwards after prefill (plain or verify)
+    sd_steps: int = 0
+    sd_seconds: float = 0.0
+    accept_lens: dict[int, int] = field(default_factory=dict)  # tokens emitted per request-step -> count
+    depth_accepts: dict[int, int] = field(default_factory=dict)  # draft depth d -> request-steps accepting >= d
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds, running) per step
 
+    def record_sd(self, emitted: int, drafted: int) -> None:
+        self.accept_lens[emitted] = self.accept_lens.get(emitted, 0) + 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += emitted - 1
+        for d in range(1, emitted):
+            self.depth_accepts[d] = self.depth_accepts.get(d, 0) + 1
+
+    @property
+    def accept_len_mean(self) -> float:
+        """Tokens emitted per request per target forward while speculating (1.0 without SD)."""
+        n = sum(self.accept_lens.values())
+        return sum(k * v for k, v in self.accept_lens.items()) / n if n else 1.0
+
     def summary(self) -> dict:
+        n = sum(self.accept_lens.values())
         return {
             "tokens": self.tokens,
             "seconds": self.seconds,
             "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
             "prefill_s": self.prefill_s,
             "decode_steps": self.decode_steps,
+            "sd_steps": self.sd_steps,
+            "sd_seconds": self.sd_seconds,
             "accept_len_mean": self.accept_len_mean,
+            "accept_len_hist": {str(k): v for k, v in sorted(self.accept_lens.items())},
+            "accept_rate_by_position": {str(d): c / n for d, c in sorted(self.depth_accepts.items())} if n else {},
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "timeline": [[round(t, 5), n] for t, n in self.timeline],
         }
 
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, config: EngineConfig = EngineConfig(),
-                 eos_ids: tuple[int, ...] | None = None):
+                 eos_ids: tuple[int, ...] | None = None, proposer=None, strategy: Strategy | None = None):
+        """`proposer` (EagleProposer / NgramProposer) with a `strategy` turns speculative decoding on."""
+        if (proposer is None) != (strategy is None):
+            raise ConfigError("speculative decoding needs both a proposer and a strategy")
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.proposer, self.strategy = proposer, strategy
         if eos_ids is None:
             eos_ids = model.config.eos_ids or (
                 (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
@@ -127,7 +161,14 @@ class Engine:
             raise DataError("no prompts to generate from")
         requests = self.make_requests(prompts, params, labels)
         slots = min(self.config.max_batch_size, len(requests))
-        cache = self._cache_for(slots, max(r.budget for r in requests))
+        longest = max(r.budget for r in requests)
+        if self.proposer is not None:
+            st = self.strategy
+            self.proposer.reserve(slots, longest + max(st.verify, (st.depth - 1) * st.topk) + 1)
+            if hasattr(self.proposer, "register"):
+                self.proposer.register(requests)
+            longest += st.verify
+        cache = self._cache_for(slots, longest)
         queue, running, done = deque(requests), [], []
         stats, start = RolloutStats(), time.perf_counter()
         device = self.model.device
@@ -138,6 +179,13 @@ class Engine:
                 self._prefill(admitted, cache, params)
                 stats.prefill_s += time.perf_counter() - t0
                 running += admitted
+            elif self.proposer is not None:
+                t0 = time.perf_counter()
+                self._speculate(running, cache, params, stats)
+                stats.sd_seconds += time.perf_counter() - t0
+                stats.sd_steps += 1
+                stats.decode_steps += 1
+                stats.timeline.append((time.perf_counter() - start, len(running)))
             else:
                 ids = torch.tensor([[r.output_ids[-1]] for r in running], device=device)
                 starts = torch.tensor([r.cached for r in running], device=device)
@@ -169,8 +217,7 @@ class Engine:
             admitted.append(r)
         return admitted
 
-    @staticmethod
-    def _compact(running: list[Request], cache: KVCache) -> list[Request]:
+    def _compact(self, running: list[Request], cache: KVCache) -> list[Request]:
         """Drop finished requests and move the highest-slot survivors into their holes, so the
         batch always occupies slots 0..B-1 and attention reads the cache without a gather."""
         alive = [r for r in running if not r.finish_reason]
@@ -178,6 +225,8 @@ class Engine:
         movers = sorted((r for r in alive if r.slot >= len(alive)), key=lambda r: r.slot)
         for hole, r in zip(holes, movers):
             cache.copy_slot(r.slot, hole, r.cached)
+            if self.proposer is not None:
+                self.proposer.move_slot(r.slot, hole, r.draft_cached)
             r.slot = hole
         return sorted(alive, key=lambda r: r.slot)
 
@@ -192,7 +241,7 @@ class Engine:
         ids = torch.tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in firsts],
                            device=self.model.device)
         slot_t = torch.tensor([r.slot for r in firsts], device=self.model.device)
-        logits, _ = self.model.prefill(ids, cache, slot_t)
+        logits, hidden = self.model.prefill(ids, cache, slot_t)
         last = torch.tensor([len(r.prompt_ids) - 1 for r in firsts], device=self.model.device)
         last_logits = logits[torch.arange(len(firsts), device=last.device), last]
         row = {r.prompt_index: k for k, r in enumerate(firsts)}
@@ -202,6 +251,39 @@ class Engine:
                 cache.copy_slot(leader.slot, r.slot, len(r.prompt_ids))
             r.cached = len(r.prompt_ids)
         self._emit(admitted, last_logits[[row[r.prompt_index] for r in admitted]], params)
+        if self.proposer is not None and self.proposer.needs_hidden:
+            for r in admitted:
+                r.extend_hidden = [hidden[row[r.prompt_index], : len(r.prompt_ids)]]
+                r.extend_tokens = r.prompt_ids[1:] + r.output_ids[:1]
+
+    def _speculate(self, running: list[Request], cache: KVCache, params: SamplingParams,
+                   stats: RolloutStats) -> None:
+        """One SD step (see rollout/speculative.py): draft a tree, verify it in one target
+        forward, walk it with the exact rule, commit the accepted path."""
+        starts = torch.tensor([r.cached for r in running], device=self.model.device)
+        tree = self.proposer.propose(running, starts, self.strategy)
+        logits, hidden = self.model.decode(tree.tokens, cache, slice(0, len(running)), starts,
+                                           starts[:, None] + tree.depths, tree.attention_mask())
+        probs = target_probs(logits, params)
+        parents, tokens, valid = tree.parents.tolist(), tree.tokens.tolist(), tree.valid.tolist()
+        for b, r in enumerate(running):
+            before = len(r.output_ids)
+
+            def emit(token: int, r=r) -> bool:
+                self._append(r, token, params)
+                return r.finish_reason is not None
+
+            path = walk_tree(probs[b], children_of(parents[b], tokens[b], valid[b]), r.generator,
+                             params.greedy, emit)
+            stats.record_sd(len(r.output_ids) - before, sum(valid[b]) - 1)
+            if r.finish_reason:
+                continue
+            if len(path) > 1:
+                cache.move_rows(r.slot, [r.cached + i for i in path], [r.cached + j for j in range(len(path))])
+            if self.proposer.needs_hidden:
+                r.extend_hidden = [hidden[b, path]]
+                r.extend_tokens = r.output_ids[-len(path):]
+            r.cached += len(path)
 
     def _emit(self, requests: list[Request], logits: torch.Tensor, params: SamplingParams) -> None:
         probs = target_probs(logits, params)

@@ -1,0 +1,168 @@
+"""Drafter training: the EAGLE loss on the target's own hidden states.
+
+Offline warm-up (`tailtamer drafter train`) teacher-forces the target over texts and trains
+the drafter on each pair (h_j, x_{j+1}) -> (h_{j+1}, p_target(x_{j+2})); the spot trainer
+(issue 6) will reuse the same loss on hidden states the RL step already computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tailtamer.atomic import atomic_write_json
+from tailtamer.errors import ConfigError, DataError
+from tailtamer.model.drafter import Drafter, init_drafter, load_drafter, save_drafter
+from tailtamer.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class DrafterTrainConfig:
+    steps: int = 300
+    batch_size: int = 16  # sequences per step
+    lr: float = 2e-3  # AdamW, linear warm-up then constant (the reference warms up, then holds)
+    warmup: int = 20
+    weight_decay: float = 0.01
+    value_weight: float = 1.0  # SmoothL1 on the next hidden state (EAGLE; fastrl's 1.0)
+    prob_weight: float = 0.1  # soft cross-entropy against the target's next-token distribution (0.1)
+    max_len: int = 512  # tokens per sequence (longer ones are cut)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1:
+            raise ConfigError("drafter training: steps and batch_size must be >= 1")
+        if self.value_weight < 0 or self.prob_weight < 0 or self.value_weight + self.prob_weight == 0:
+            raise ConfigError("drafter training: value_weight and prob_weight must be >= 0, not both 0")
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def eagle_pairs(ids: torch.Tensor, hidden: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor):
+    """Align a teacher-forced sequence into drafter pairs (EAGLE; the pairing fastrl's online
+    path got wrong, fastrl-code.md §6.3):
+
+        input token x_{j+1} = ids[:, 1:]          input feature h_j = hidden[:, :-1]
+        target feature h_{j+1} = hidden[:, 1:]     target logits   = target_logits[:, 1:]
+        mask = valid[:, 1:]  (x_{j+1} is a real token, so h_{j+1} is a real position)
+    """
+    return ids[:, 1:], hidden[:, :-1], hidden[:, 1:], target_logits[:, 1:], valid[:, 1:]
+
+
+def eagle_loss(pred_hidden, pred_logits, target_hidden, target_logits, mask,
+               value_weight: float = 1.0, prob_weight: float = 0.1):
+    """L = w_v · SmoothL1(ĥ_{j+1}, h_{j+1}) + w_p · CE(softmax(lm_head(h_{j+1})), lm_head(ĥ_{j+1})),
+    each a mean over the masked positions (EAGLE, Li et al. 2024, §4; TLT §2.1).
+    Returns (loss, value loss, probability loss)."""
+    m = mask.to(pred_hidden.dtype)
+    denom = m.sum().clamp(min=1)
+    vloss = (F.smooth_l1_loss(pred_hidden, target_hidden, reduction="none").mean(-1) * m).sum() / denom
+    target_p = torch.softmax(target_logits.float(), -1)
+    ploss = (-(target_p * torch.log_softmax(pred_logits.float(), -1)).sum(-1) * m).sum() / denom
+    return value_weight * vloss + prob_weight * ploss, vloss, ploss
+
+
+@torch.no_grad()
+def top1_accuracy(pred_logits, target_logits, mask) -> float:
+    hit = (pred_logits.argmax(-1) == target_logits.argmax(-1)) & mask
+    return hit.sum().item() / max(1, mask.sum().item())
+
+
+def encode_texts(tokenizer, texts: list[str], max_len: int) -> list[list[int]]:
+    return [tokenizer.encode(t)[:max_len] for t in texts if t]
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """JSONL rows with `text`, or `prompt` + `response` (or the built-in task's `trace`)."""
+    from tailtamer.rl.data import read_jsonl
+
+    texts = []
+    for row in read_jsonl(path):
+        if isinstance(row.get("text"), str):
+            texts.append(row["text"])
+        elif isinstance(row.get("prompt"), str) and isinstance(row.get("response", row.get("trace")), str):
+            texts.append(row["prompt"] + row.get("response", row.get("trace")))
+        else:
+            raise DataError(f"{path}:{row['_row']}: need a string 'text', or 'prompt' and 'response'")
+    return texts
+
+
+def padded(batch: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(x) for x in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+    valid = torch.zeros(len(batch), width, dtype=torch.bool, device=device)
+    for i, x in enumerate(batch):
+        ids[i, : len(x)] = torch.tensor(x)
+        valid[i, : len(x)] = True
+    return ids, valid
+
+
+def train_drafter(target: Transformer, sequences: list[list[int]], cfg: DrafterTrainConfig,
+                  drafter: Drafter | None = None, log: Callable[[str], None] = print) -> tuple[Drafter, dict]:
+    sequences = [s for s in sequences if len(s) >= 3]
+    if not sequences:
+        raise DataError("drafter training needs sequences of at least 3 tokens")
+    rng = random.Random(cfg.seed)
+    # Gradients flow through the shared LM head to the drafter, but never into the target.
+    flags = [p.requires_grad for p in target.parameters()]
+    target.eval().requires_grad_(False)
+    try:
+        return _train(target, sequences, cfg, drafter or init_drafter(target, seed=cfg.seed), rng, log)
+    finally:
+        for p, flag in zip(target.parameters(), flags):
+            p.requires_grad_(flag)
+
+
+def _train(target, sequences, cfg, drafter, rng, log):
+    drafter.train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    t0, history = time.perf_counter(), []
+    for step in range(cfg.steps):
+        # Batches of similar length waste less on padding (lengths are long-tailed).
+        pool = sorted(rng.sample(sequences, min(len(sequences), cfg.batch_size * 4)), key=len)
+        start = rng.randrange(0, max(1, len(pool) - cfg.batch_size + 1))
+        ids, valid = padded(pool[start: start + cfg.batch_size], target.device)
+        with torch.no_grad():
+            t_logits, hidden = target(ids)
+        x, h_in, h_next, logits_next, mask = eagle_pairs(ids, hidden, t_logits, valid)
+        pred_logits, pred_hidden = drafter(x, h_in)
+        loss, vloss, ploss = eagle_loss(pred_hidden, pred_logits, h_next, logits_next, mask,
+                                        cfg.value_weight, cfg.prob_weight)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        acc = top1_accuracy(pred_logits, logits_next, mask)
+        history.append({"step": step, "loss": loss.item(), "vloss": vloss.item(), "ploss": ploss.item(), "top1": acc})
+        if step % 50 == 0 or step == cfg.steps - 1:
+            log(f"drafter step {step:4d}/{cfg.steps}  loss {loss.item():.4f}  top-1 {acc:.1%}  "
+                f"{time.perf_counter() - t0:5.1f}s")
+    drafter.eval()
+    return drafter, {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "final": history[-1]}
+
+
+def ensure_builtin_drafter(model_dir: Path, target: Transformer, tokenizer, cfg: DrafterTrainConfig = DrafterTrainConfig(),
+                           log: Callable[[str], None] = print) -> Drafter:
+    """The warmed-up drafter of the built-in base model, trained on task traces once and cached
+    beside it."""
+    from tailtamer.tasks.arithmetic import ArithmeticTask
+
+    out = model_dir.parent / f"{model_dir.name}-drafter-{cfg.key()}"
+    if not (out / "train.json").is_file():
+        log(f"warming up a drafter for {model_dir} into {out}")
+        problems = ArithmeticTask().dataset(4000, seed=cfg.seed + 7)
+        seqs = encode_texts(tokenizer, [p["prompt"] + p["trace"] for p in problems], cfg.max_len)
+        drafter, info = train_drafter(target, seqs, cfg, log=log)
+        save_drafter(drafter, out)
+        atomic_write_json(out / "train.json", info)
+    return load_drafter(out, target)

@@ -1,0 +1,143 @@
+"""EAGLE one-layer drafter (Li et al. 2024, EAGLE / EAGLE-2; TLT §2.1).
+
+    ĥ_{t+1} = Layer(fc([embed(x_{t+1}); h_t]))        logits_{t+2} = lm_head(ĥ_{t+1})
+
+h_t is the target's final (post-norm) hidden state at position t. The embedding and LM head
+are the target's own modules, held by reference: frozen, never trained, never saved. The one
+decoder layer has no input norm (its input is already a mix of normalised features) and
+there is no final norm, as in EAGLE and SGLang's `LlamaForCausalLMEagle` /
+`Qwen2ForCausalLMEagle`.
+
+Drafter directories (the SGLang EAGLE layout):
+  config.json        the target's config with `architectures: [<Arch>Eagle]`, num_hidden_layers 1
+  model.safetensors  fc.weight (H, 2H), fc.bias (H), layers.0.self_attn.{q,k,v,o}_proj.*,
+                     layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight
+                     (no `model.` prefix, no embed_tokens, no lm_head: SGLang shares the target's)
+Pair convention: drafter row j holds (h_j, x_{j+1}) at rotary position j and predicts h_{j+1}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from tailtamer.atomic import atomic_write, atomic_write_json
+from tailtamer.errors import CheckpointError
+from tailtamer.model.config import ModelConfig
+from tailtamer.model.io import check_state_dict, read_json, read_safetensors
+from tailtamer.model.transformer import DecoderLayer, KVCache, Transformer, decode_inputs, inv_freq, rotary_tables
+
+EAGLE_ARCHITECTURES = {"Qwen2ForCausalLM": "Qwen2ForCausalLMEagle", "LlamaForCausalLM": "LlamaForCausalLMEagle"}
+SHARED_PREFIXES = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
+MATCHING_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+class Drafter(nn.Module):
+    def __init__(self, target: Transformer):
+        super().__init__()
+        cfg = target.config
+        self.config = cfg.replace(num_hidden_layers=1)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        layer = DecoderLayer(self.config)
+        layer.input_layernorm = nn.Identity()
+        self.layers = nn.ModuleList([layer])
+        self.attach(target)
+
+    def attach(self, target: Transformer) -> None:
+        """Share `target`'s embedding and LM head (by reference, outside this module's
+        parameters, so no optimizer, state_dict or checkpoint of the drafter ever sees them)."""
+        check_fits(self.config, target.config, "drafter")
+        self.__dict__["_target"] = target
+
+    @property
+    def target(self) -> Transformer:
+        return self.__dict__["_target"]
+
+    def _run(self, ids, hidden, positions, mask=None, cache=None, view=None):
+        x = self.fc(torch.cat((self.target.embed_tokens(ids), hidden.to(self.fc.weight.dtype)), dim=-1))
+        cfg = self.config
+        cos, sin = rotary_tables(inv_freq(cfg.rope_theta, cfg.head_size, x.device, x.dtype), positions, x.dtype)
+        kv = None if cache is None else (cache.k[0], cache.v[0], view)
+        x = self.layers[0](x, cos, sin, mask, kv)
+        return self.target.lm_head(x), x
+
+    def forward(self, input_ids, hidden, positions=None, attn_mask=None):
+        """Training pass over pairs (hidden[:, j], input_ids[:, j]) = (h_j, x_{j+1})."""
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        return self._run(input_ids, hidden, positions, None if attn_mask is None else attn_mask[:, None])
+
+    def decode(self, input_ids, hidden, cache: KVCache, slots, starts, positions=None, tree_mask=None):
+        positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask)
+        return self._run(input_ids, hidden, positions, mask, cache, view)
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        return KVCache(self.config, slots, max_len, self.fc.weight.device, self.fc.weight.dtype)
+
+
+def check_fits(drafter_cfg: ModelConfig, target_cfg: ModelConfig, source: str) -> None:
+    wrong = [f"{f}: drafter {getattr(drafter_cfg, f)} vs target {getattr(target_cfg, f)}"
+             for f in MATCHING_FIELDS if getattr(drafter_cfg, f) != getattr(target_cfg, f)]
+    if wrong:
+        raise CheckpointError(f"{source} does not fit the target model: " + "; ".join(wrong))
+
+
+def init_drafter(target: Transformer, seed: int = 0, std: float = 0.02) -> Drafter:
+    gen = torch.Generator().manual_seed(seed)
+    drafter = Drafter(target)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return drafter.to(target.dtype)
+
+
+def save_drafter(drafter: Drafter, out_dir: str | Path) -> None:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in drafter.state_dict().items()}
+    assert not any(k.startswith(SHARED_PREFIXES) for k in tensors)  # shared by reference only
+    atomic_write(out_dir / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    hf = drafter.config.to_hf()
+    hf["architectures"] = [EAGLE_ARCHITECTURES[drafter.config.architecture]]
+    atomic_write_json(out_dir / "config.json", hf)
+
+
+def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
+    drafter_dir = Path(drafter_dir)
+    if not drafter_dir.is_dir():
+        raise CheckpointError(f"{drafter_dir}: drafter directory not found")
+    path = drafter_dir / "config.json"
+    raw = read_json(path, "config.json")
+    arch = (raw.get("architectures") or [None])[0]
+    base = {v: k for k, v in EAGLE_ARCHITECTURES.items()}.get(arch)
+    if base is None:
+        raise CheckpointError(f"{path}: architecture {arch!r} is not an EAGLE drafter; "
+                              f"expected one of {sorted(EAGLE_ARCHITECTURES.values())}")
+    cfg = ModelConfig.from_hf({**raw, "architectures": [base]}, source=str(path))
+    check_fits(cfg, target.config, f"drafter {drafter_dir}")
+    # Checkpoints from other tools may carry a copy of the embedding or head: the target's wins.
+    tensors = {k: v for k, v in read_safetensors(drafter_dir).items() if not k.startswith(SHARED_PREFIXES)}
+    drafter = Drafter(target)
+    check_state_dict(drafter.state_dict(), tensors, str(drafter_dir / "model.safetensors"))
+    drafter.load_state_dict(tensors, strict=False)
+    return drafter.to(target.dtype).eval()
+
+
+def weights_checksum(module: nn.Module) -> str:
+    """SHA-256 over parameter names and bytes: what an engine runs can be checked against
+    what a trainer produced (stale or corrupted weights are detected, not silent)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,139 @@
+"""The EAGLE drafter: checkpoints, sharing, the h_t <-> x_{t+1} pairing, loss and training."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from tailtamer.drafter.train import DrafterTrainConfig, eagle_loss, eagle_pairs, train_drafter
+from tailtamer.errors import CheckpointError, ConfigError
+from tailtamer.model.drafter import init_drafter, load_drafter, save_drafter, weights_checksum
+from conftest import random_model, tiny_config
+
+
+@pytest.fixture
+def target():
+    return random_model(tiny_config())
+
+
+def test_checkpoint_has_sglang_eagle_names_and_no_shared_tensors(target, tmp_path):
+    save_drafter(init_drafter(target), tmp_path)
+    keys = set(load_file(tmp_path / "model.safetensors"))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} <= keys
+    assert not any("embed_tokens" in k or "lm_head" in k or "input_layernorm" in k or k.startswith("model.")
+                   for k in keys)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+    assert load_file(tmp_path / "model.safetensors")["fc.weight"].shape == (64, 128)
+
+
+def test_round_trip_and_checksum(target, tmp_path):
+    drafter = init_drafter(target, seed=3)
+    save_drafter(drafter, tmp_path)
+    loaded = load_drafter(tmp_path, target)
+    assert weights_checksum(loaded) == weights_checksum(drafter)
+    assert weights_checksum(init_drafter(target, seed=4)) != weights_checksum(drafter)
+    assert loaded.target is target  # shared by reference
+    assert not any(p is target.embed_tokens.weight or p is target.lm_head.weight for p in loaded.parameters())
+
+
+def test_embedding_and_head_in_a_foreign_checkpoint_are_ignored(target, tmp_path):
+    save_drafter(init_drafter(target), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["embed_tokens.weight"] = torch.zeros(101, 64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    loaded = load_drafter(tmp_path, target)
+    assert torch.equal(loaded.target.embed_tokens.weight, target.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("change,message", [({"hidden_size": 32, "num_attention_heads": 2}, "hidden_size: drafter 32"),
+                                            ({"vocab_size": 50}, "vocab_size: drafter 50 vs target 101")])
+def test_mismatched_target_is_a_clear_error(target, tmp_path, change, message):
+    other = random_model(tiny_config(**change))
+    save_drafter(init_drafter(other), tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        load_drafter(tmp_path, target)
+
+
+def test_bad_drafter_dirs(target, tmp_path):
+    with pytest.raises(CheckpointError, match="drafter directory not found"):
+        load_drafter(tmp_path / "none", target)
+    from tailtamer.model.io import save_model
+
+    save_model(target, tmp_path)
+    with pytest.raises(CheckpointError, match="is not an EAGLE drafter"):
+        load_drafter(tmp_path, target)
+
+
+def test_pairs_align_h_t_with_x_t_plus_1():
+    ids = torch.tensor([[10, 11, 12, 13, 0]])
+    hidden = torch.arange(5.0).view(1, 5, 1).expand(1, 5, 2)  # h_t = t
+    logits = torch.arange(5.0).view(1, 5, 1) * 100
+    valid = torch.tensor([[True, True, True, True, False]])
+    x, h_in, h_next, logits_next, mask = eagle_pairs(ids, hidden, logits, valid)
+    assert x.tolist() == [[11, 12, 13, 0]]
+    assert h_in[0, :, 0].tolist() == [0, 1, 2, 3]  # paired with x_{t+1}
+    assert h_next[0, :, 0].tolist() == [1, 2, 3, 4]
+    assert logits_next[0, :, 0].tolist() == [100, 200, 300, 400]
+    assert mask.tolist() == [[True, True, True, False]]
+
+
+def test_eagle_loss_against_hand_computation():
+    pred_h = torch.tensor([[[0.0, 2.0], [1.0, 1.0]]])
+    true_h = torch.tensor([[[0.5, 0.0], [1.0, 1.0]]])
+    pred_l = torch.tensor([[[0.0, 0.0], [9.0, 9.0]]])
+    true_l = torch.tensor([[[0.0, 0.0], [0.0, 5.0]]])
+    mask = torch.tensor([[True, False]])
+    loss, v, p = eagle_loss(pred_h, pred_l, true_h, true_l, mask, value_weight=1.0, prob_weight=0.1)
+    # SmoothL1 per dim: |0.5| < 1 -> 0.5 * 0.25 = 0.125; |2| -> 1.5; mean 0.8125. Soft CE: ln 2.
+    assert v.item() == pytest.approx(0.8125)
+    assert p.item() == pytest.approx(torch.log(torch.tensor(2.0)).item())
+    assert loss.item() == pytest.approx(0.8125 + 0.1 * 0.6931, abs=1e-4)
+
+
+def test_incremental_decode_equals_the_training_forward(target):
+    drafter = init_drafter(target, std=0.2)
+    seq = torch.randint(5, 100, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, h = target(seq)
+        full, _ = drafter(seq[:, 1:], h[:, :-1])
+        cache = drafter.new_cache(1, 64)
+        a, _ = drafter.decode(seq[:, 1:11], h[:, :10], cache, slice(0, 1), torch.tensor([0]))
+        b, _ = drafter.decode(seq[:, 11:20], h[:, 10:19], cache, slice(0, 1), torch.tensor([10]))
+    assert (torch.cat([a, b], 1) - full[:, :19]).abs().max() < 1e-4
+
+
+def test_training_improves_agreement_and_never_touches_the_target(target):
+    gen = torch.Generator().manual_seed(1)
+    # A predictable language: repeated short patterns, so a drafter can learn the target's view of it.
+    seqs = [(torch.randint(5, 30, (4,), generator=gen).tolist() * 8) for _ in range(40)]
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    flags = [p.requires_grad for p in target.parameters()]
+    drafter, info = train_drafter(target, seqs, DrafterTrainConfig(steps=80, batch_size=8, lr=3e-3),
+                                  log=lambda _: None)
+    assert info["final"]["top1"] > 0.5
+    assert info["final"]["loss"] < 0.8 * _first_loss(target, seqs)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+    assert [p.requires_grad for p in target.parameters()] == flags
+
+
+def _first_loss(target, seqs):
+    _, info = train_drafter(target, seqs, DrafterTrainConfig(steps=1, batch_size=8), log=lambda _: None)
+    return info["final"]["loss"]
+
+
+@pytest.mark.parametrize("kwargs", [{"steps": 0}, {"value_weight": 0.0, "prob_weight": 0.0}, {"prob_weight": -1.0}])
+def test_bad_training_config(kwargs):
+    with pytest.raises(ConfigError):
+        DrafterTrainConfig(**kwargs)
+
+
+def test_soft_ce_matches_cross_entropy_for_one_hot_targets():
+    logits = torch.randn(1, 3, 7)
+    target_logits = torch.full((1, 3, 7), -1e4)
+    target_logits[0, torch.arange(3), torch.tensor([1, 4, 6])] = 0.0
+    _, _, p = eagle_loss(torch.zeros(1, 3, 2), logits, torch.zeros(1, 3, 2), target_logits, torch.ones(1, 3, dtype=torch.bool))
+    assert p.item() == pytest.approx(F.cross_entropy(logits[0], torch.tensor([1, 4, 6])).item(), rel=1e-5)

@@ -1,0 +1,219 @@
+"""Speculative decoding is lossless: identical greedy (and seeded sampled) output, the target's
+distribution under sampling (and a biased verifier is caught), strategies and the guard."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import tailtamer.rollout.engine as engine_module
+from tailtamer.errors import ConfigError
+from tailtamer.model.drafter import init_drafter
+from tailtamer.rollout.engine import Engine, EngineConfig
+from tailtamer.rollout.ngram import NgramProposer
+from tailtamer.rollout.sampling import SamplingParams, sample, target_probs
+from tailtamer.rollout.speculative import (EagleProposer, SpecConfig, Strategy, ancestor_mask, children_of,
+                                           walk_tree)
+from conftest import random_model, tiny_config
+
+
+def _prompts(n, seed=0, vocab=100):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab, (int(k),), generator=g).tolist() for k in torch.randint(1, 14, (n,), generator=g)]
+
+
+TRAIN_PROMPTS = _prompts(64, seed=9)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(tiny_config()).double()
+
+
+@pytest.fixture(scope="module")
+def trained_drafter(target):
+    """A drafter warmed up on the random target's own greedy continuations of TRAIN_PROMPTS."""
+    from tailtamer.drafter.train import DrafterTrainConfig, train_drafter
+
+    outs, _ = Engine(target).generate(TRAIN_PROMPTS, SamplingParams(temperature=0, max_new_tokens=60))
+    seqs = [p + c.token_ids for p, c in zip(TRAIN_PROMPTS, outs)]
+    drafter, _ = train_drafter(target, seqs, DrafterTrainConfig(steps=150, batch_size=16, lr=3e-3),
+                               log=lambda _: None)
+    return drafter
+
+
+def _generate(model, prompts, params, batch, proposer=None, strategy=None):
+    engine = Engine(model, config=EngineConfig(max_batch_size=batch), proposer=proposer,
+                    strategy=Strategy.parse(strategy) if strategy else None)
+    return engine.generate(prompts, params)
+
+
+@pytest.mark.parametrize("strategy", ["1_1_2", "4_1_5", "3_2_6", "4_3_10"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_is_identical_with_random_and_trained_drafters(target, trained_drafter, strategy, batch):
+    params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
+    prompts = _prompts(5)
+    plain, _ = _generate(target, prompts, params, batch)
+    for proposer in (EagleProposer(init_drafter(target, std=0.2)), EagleProposer(trained_drafter), NgramProposer()):
+        spec, stats = _generate(target, prompts, params, batch, proposer, strategy)
+        assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+        assert [c.finish_reason for c in spec] == [c.finish_reason for c in plain]
+        assert stats.sd_steps > 0
+
+
+def test_trained_drafter_accepts_more_than_random(target, trained_drafter):
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    prompts = TRAIN_PROMPTS[:6]  # a random target is only predictable where the drafter has seen it
+    _, random_stats = _generate(target, prompts, params, 6, EagleProposer(init_drafter(target, std=0.2)), "4_2_8")
+    _, trained_stats = _generate(target, prompts, params, 6, EagleProposer(trained_drafter), "4_2_8")
+    assert trained_stats.accept_len_mean > random_stats.accept_len_mean + 0.3
+    assert trained_stats.summary()["accept_rate_by_position"]["1"] > 0.3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, n=3, max_new_tokens=30, seed=5),
+                                    SamplingParams(temperature=0.8, top_p=0.9, top_k=20, n=3, max_new_tokens=30)])
+def test_seeded_sampling_is_identical_in_float64(target, trained_drafter, params):
+    """Each emitted token is one draw from the request's generator, with or without SD."""
+    prompts = TRAIN_PROMPTS[10:14]
+    plain, _ = _generate(target, prompts, params, 6)
+    spec, stats = _generate(target, prompts, params, 6, EagleProposer(trained_drafter), "4_2_8")
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert stats.accepted_tokens > 0
+
+
+def test_float32_greedy_match_rate(trained_drafter):
+    """float32: report (and bound) how often SD's greedy output equals plain greedy output."""
+    target32 = random_model(tiny_config())  # the same weights as `target`, in float32
+    drafter32 = init_drafter(target32)
+    drafter32.load_state_dict({k: v.float() for k, v in trained_drafter.state_dict().items()})
+    prompts = TRAIN_PROMPTS[:12]
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    plain, _ = _generate(target32, prompts, params, 12)
+    spec, _ = _generate(target32, prompts, params, 12, EagleProposer(drafter32), "4_2_8")
+    rate = sum(a.token_ids == b.token_ids for a, b in zip(plain, spec)) / len(plain)
+    print(f"float32 greedy match rate: {rate:.2f}")
+    assert rate >= 0.9
+
+
+# --- distribution under sampling -------------------------------------------------------------
+
+def _small_world():
+    cfg = tiny_config(vocab_size=12, eos_token_id=None)
+    model = random_model(cfg, seed=3, std=0.15).double()
+    drafter = init_drafter(model, seed=1, std=0.3).double()
+    return model, drafter
+
+
+def _second_token_marginal(model, prompt, params):
+    """p(x2) = sum_x1 p(x1) p(x2 | x1), with the same processing (temperature / top-k / top-p)."""
+    with torch.no_grad():
+        p1 = target_probs(model(torch.tensor([prompt]))[0][0, -1], params)
+        seqs = torch.tensor([prompt + [x] for x in range(12)])
+        p2 = target_probs(model(seqs)[0][:, -1], params)
+    return p1 @ p2
+
+
+def _lossy_walk(probs, children, generator, greedy, emit):
+    """A *biased* verifier: accept a drafted child whenever the target gives it >= 5% mass."""
+    node, path = 0, [0]
+    while True:
+        drafted = [(tok, i) for tok, i in children[node].items() if probs[node][tok] >= 0.05]
+        x = drafted[0][0] if drafted else int(sample(probs[node][None], [generator], greedy)[0])
+        if emit(x):
+            return path
+        if x not in children[node]:
+            return path
+        node = children[node][x]
+        path.append(node)
+
+
+def _second_tokens(model, drafter, params, n):
+    engine = Engine(model, config=EngineConfig(max_batch_size=256), eos_ids=(),
+                    proposer=EagleProposer(drafter), strategy=Strategy.parse("2_3_5"))
+    out, _ = engine.generate([[3, 7, 2]], SamplingParams(**{**params.__dict__, "n": n, "max_new_tokens": 3}))
+    return torch.bincount(torch.tensor([c.token_ids[1] for c in out]), minlength=12)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(seed=21), SamplingParams(top_k=6, seed=22),
+                                    SamplingParams(top_p=0.8, seed=23)], ids=["t1", "topk", "topp"])
+def test_sd_samples_follow_the_target_distribution(params):
+    model, drafter = _small_world()
+    n = 3000
+    counts = _second_tokens(model, drafter, params, n)
+    expected = _second_token_marginal(model, [3, 7, 2], params) * n
+    support = expected > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support].tolist(), expected[support].tolist()).pvalue > 1e-3
+
+
+def test_the_same_check_rejects_a_biased_verifier(monkeypatch):
+    model, drafter = _small_world()
+    params = SamplingParams(seed=21)
+    monkeypatch.setattr(engine_module, "walk_tree", _lossy_walk)
+    n = 3000
+    counts = _second_tokens(model, drafter, params, n)
+    expected = _second_token_marginal(model, [3, 7, 2], params) * n
+    support = expected > 0
+    assert chisquare(counts[support].tolist(), expected[support].tolist()).pvalue < 1e-3
+
+
+# --- the pieces -------------------------------------------------------------------------------
+
+def test_ancestor_mask():
+    #   0 -> 1 -> 3
+    #   0 -> 2 -> 4 -> 5, and padding node 6 (parent -1)
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 4, -1]])
+    mask = ancestor_mask(parents)[0].int().tolist()
+    assert mask[3] == [1, 1, 0, 1, 0, 0, 0]
+    assert mask[5] == [1, 0, 1, 0, 1, 1, 0]
+    assert mask[6] == [0, 0, 0, 0, 0, 0, 1]
+
+
+def test_walk_descends_while_the_draw_is_a_child():
+    # Tree: root -> 7 (node 1) -> 8 (node 2); root -> 9 (node 3). One-hot target: 7, 8, then 5.
+    probs = torch.zeros(4, 12)
+    probs[0, 7], probs[1, 8], probs[2, 5], probs[3, 1] = 1, 1, 1, 1
+    children = children_of([-1, 0, 1, 0], [0, 7, 8, 9], [True] * 4)
+    emitted = []
+    path = walk_tree(probs, children, torch.Generator(), greedy=False, emit=lambda x: emitted.append(x) or False)
+    assert path == [0, 1, 2] and emitted == [7, 8, 5]
+    emitted.clear()
+    path = walk_tree(probs, children, torch.Generator(), greedy=True, emit=lambda x: emitted.append(x) or len(emitted) == 1)
+    assert path == [0] and emitted == [7]  # finished (e.g. EOS) at the first token
+
+
+@pytest.mark.parametrize("text,message", [("4_2", "DEPTH_TOPK_VERIFY"), ("a_b_c", "DEPTH_TOPK_VERIFY"),
+                                          ("0_1_2", "depth >= 1"), ("4_1_1", "verify >= 2"),
+                                          ("2_1_9", "yields only 2 candidates")])
+def test_bad_strategies(text, message):
+    with pytest.raises(ConfigError, match=message):
+        Strategy.parse(text)
+
+
+def test_strategy_candidates():
+    assert Strategy.parse("8_4_48").candidates == 4 + 7 * 16
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"acceptance": "typical"}, "refused"), ({"acceptance": "threshold"}, "refused"),
+    ({"acceptance": "whatever"}, "refused"), ({"mode": "on"}, "needs a drafter"),
+    ({"mode": "maybe"}, "must be off or on"), ({"mode": "on", "drafter": "ngram", "strategy": "9"}, "DEPTH_TOPK"),
+])
+def test_lossless_guard_and_config_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SpecConfig(**kwargs)
+
+
+def test_engine_refuses_half_a_speculator(target):
+    with pytest.raises(ConfigError, match="both a proposer and a strategy"):
+        Engine(target, proposer=NgramProposer())
+
+
+def test_stats_count_drafts_and_acceptances(target, trained_drafter):
+    _, stats = _generate(target, _prompts(3), SamplingParams(temperature=0, max_new_tokens=30), 3,
+                         EagleProposer(trained_drafter), "3_2_6")
+    s = stats.summary()
+    steps = sum(s["accept_len_hist"].values())
+    assert s["drafted_tokens"] == 5 * steps
+    assert s["accepted_tokens"] == sum((int(k) - 1) * v for k, v in s["accept_len_hist"].items())
+    rates = list(s["accept_rate_by_position"].values())
+    assert rates == sorted(rates, reverse=True) and all(0 <= r <= 1 for r in rates)
