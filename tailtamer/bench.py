@@ -167,3 +167,69 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
                          "identical_outputs": same})
     return {"model": str(path), "temperature": temperature, "new_tokens": new_tokens, "threads": torch.get_num_threads(),
             "rows": rows}
+
+
+def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, repeats: int = 1,
+                  max_new_tokens: int = 512, plot: str | None = "runs/bench-rollout.png") -> dict:
+    """A long-tail GRPO-style rollout (prompts × n samples at T=1, all admitted at once) run as
+    (a) plain decoding, (b) SD on every step with a fixed strategy, (c) adaptive: plain while more
+    than spec.bs_threshold requests run, then SD with the BEG-MAB tuner. Same seeds, so the
+    three emit the same tokens; runs are interleaved and timed in one process."""
+    from tailtamer.drafter.train import ensure_builtin_drafter
+    from tailtamer.model.tokenizer import load_tokenizer
+    from tailtamer.rollout.speculative import EagleProposer, SpecConfig
+    from tailtamer.tasks.arithmetic import ArithmeticTask, reward
+
+    path = _default_model_dir(model_dir)
+    model, tokenizer = load_model(path), load_tokenizer(path)
+    drafter = ensure_builtin_drafter(path, model, tokenizer)
+    problems = ArithmeticTask().dataset(prompts, seed=31337)
+    ids = [tokenizer.encode(p["prompt"]) for p in problems]
+    params = SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=2)
+    config = EngineConfig(max_batch_size=prompts * n)
+    fixed, adaptive = SpecConfig(mode="on", drafter="x"), SpecConfig(mode="adaptive", drafter="x")
+    arms = {
+        "plain": lambda: Engine(model, tokenizer, config),
+        "sd_fixed_" + fixed.strategy: lambda: Engine(model, tokenizer, config, proposer=EagleProposer(drafter),
+                                                     tuner=fixed.make_tuner()),
+        "adaptive": lambda: Engine(model, tokenizer, config, proposer=EagleProposer(drafter),
+                                   tuner=adaptive.make_tuner(), bs_threshold=adaptive.bs_threshold),
+    }
+    Engine(model, tokenizer, config).generate(ids[:2], params)  # warm-up
+    seconds: dict[str, list[float]] = {k: [] for k in arms}
+    results = {}
+    for _ in range(repeats):
+        for name, make in arms.items():
+            engine = make()
+            completions, stats = engine.generate(ids, params)
+            seconds[name].append(stats.seconds)
+            results[name] = (completions, stats, engine.tuner.summary() if engine.tuner else None)
+    plain_completions, plain_stats, _ = results["plain"]
+    threshold = adaptive.bs_threshold
+    steps = plain_stats.timeline
+    durations = [t1 - t0 for t0, t1 in zip([0.0] + [t for t, _, _ in steps[:-1]], [t for t, _, _ in steps])]
+    tail_time = sum(d for d, (_, running, _) in zip(durations, steps) if running <= threshold)
+    report = {"model": str(path), "requests": prompts * n, "bs_threshold": threshold,
+              "plain_tail_share_of_decode_time": round(tail_time / max(1e-9, sum(durations)), 3),
+              "arms": {}}
+    base = statistics.median(seconds["plain"])
+    for name, (completions, stats, tuner) in results.items():
+        s = stats.summary()
+        report["arms"][name] = {
+            "seconds": round(statistics.median(seconds[name]), 3),
+            "speedup_vs_plain": round(base / statistics.median(seconds[name]), 3),
+            "plain_decode_s": round(s["plain_seconds"], 3), "sd_decode_s": round(s["sd_seconds"], 3),
+            "accept_len_mean": round(s["accept_len_mean"], 3),
+            "accept_len_by_strategy": {k: round(v["accept_len"], 3) for k, v in s["by_strategy"].items()},
+            "accuracy": sum(reward(c.text, problems[c.prompt_index]["answer"]) for c in completions) / len(completions),
+            "identical_to_plain": sum(a.token_ids == b.token_ids for a, b in zip(plain_completions, completions))
+            / len(completions),
+            **({"tuner": tuner} if tuner else {}),
+        }
+    if plot:
+        from tailtamer.plots import plot_rollout_timeline
+
+        plot_rollout_timeline(results["adaptive"][1].timeline, plot,
+                              f"adaptive rollout: {prompts}x{n} samples, SD at <= {threshold} running")
+        report["plot"] = plot
+    return report

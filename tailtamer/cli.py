@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from tailtamer.errors import TailtamerError
+from tailtamer.rollout.speculative import SpecConfig
 
 
 def cmd_generate(args) -> None:
@@ -20,23 +21,25 @@ def cmd_generate(args) -> None:
     from tailtamer.rl.data import load_prompts
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
-    from tailtamer.rollout.speculative import SpecConfig, make_speculator
+    from tailtamer.rollout.speculative import make_speculator
 
-    spec = SpecConfig(mode=args.spec, strategy=args.strategy, drafter=args.drafter)
+    spec = SpecConfig(mode=args.spec, strategy=args.strategy, drafter=args.drafter, bs_threshold=args.bs_threshold,
+                      tuner=args.tuner)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
     tokenizer = load_tokenizer(args.model)
     rows, prompts = load_prompts(args.prompts, tokenizer)
     model = load_model(args.model, args.dtype, args.device)
-    proposer, strategy = make_speculator(spec, model)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
-                    proposer=proposer, strategy=strategy)
+                    **make_speculator(spec, model))
     labels = [f"{args.prompts}:{row['_row']}" for row in rows]
     completions, stats = engine.generate(prompts, params, labels)
     lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
                          "token_ids": c.token_ids, "finish_reason": c.finish_reason}) for c in completions]
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     summary = stats.summary()
+    if engine.tuner is not None:
+        summary["tuner"] = engine.tuner.summary()
     if args.stats:
         atomic_write_json(args.stats, summary)
     print(f"wrote {len(completions)} completions to {args.out}: {summary['tokens']} tokens in "
@@ -115,11 +118,13 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from tailtamer.bench import bench_decode, bench_random_model, bench_sd
+    from tailtamer.bench import bench_decode, bench_random_model, bench_rollout, bench_sd
 
     if args.preset and args.model:
         raise TailtamerError("give --model or --preset, not both")
-    if args.what == "sd":
+    if args.what == "rollout":
+        report = bench_rollout(args.model, repeats=args.repeats)
+    elif args.what == "sd":
         if args.preset:
             raise TailtamerError("bench sd needs a trained model and drafter; --preset is for bench decode")
         report = bench_sd(args.model, repeats=args.repeats)
@@ -158,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec", default="off", choices=["off", "on", "adaptive"], help="speculative decoding")
     g.add_argument("--strategy", default="4_2_8", help="DEPTH_TOPK_VERIFY draft tree")
     g.add_argument("--drafter", help="EAGLE drafter directory, or 'ngram'")
+    g.add_argument("--bs-threshold", type=int, default=SpecConfig.bs_threshold,
+                   help="adaptive: speculate once at most this many requests are running")
+    g.add_argument("--tuner", default="beg", choices=["beg", "fixed"], help="adaptive: strategy choice")
 
     dr = sub.add_parser("drafter", help="drafter tools")
     dsub = dr.add_subparsers(dest="drafter_command", required=True)
@@ -200,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks; prints a JSON report of ratios")
-    b.add_argument("what", choices=["decode", "sd"])
+    b.add_argument("what", choices=["decode", "sd", "rollout"])
     b.add_argument("--model", help="model directory (default: the built-in base model)")
     b.add_argument("--preset", help="benchmark a random model of this preset size instead")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")

@@ -23,10 +23,10 @@ HELD_OUT_SEED = 1_000_003  # SFT draws its problems from SFTConfig.seed; evaluat
 
 def tail_share(stats: RolloutStats, batch: int, fraction: float = 0.25) -> dict:
     """Share of decode time (and steps) with at most `fraction` of the batch still running."""
-    ends = [t for t, _ in stats.timeline]
+    ends = [t for t, _, _ in stats.timeline]
     durations = [t1 - t0 for t0, t1 in zip([0.0] + ends[:-1], ends)]
     limit = max(1, int(batch * fraction))
-    in_tail = [n <= limit for _, n in stats.timeline]
+    in_tail = [n <= limit for _, n, _ in stats.timeline]
     total = sum(durations) or 1.0
     return {"running_at_most": limit,
             "time_share": sum(d for d, tail in zip(durations, in_tail) if tail) / total,

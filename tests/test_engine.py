@@ -74,12 +74,12 @@ def test_first_token_distribution_matches_target(params):
 def test_continuous_batching_refills_freed_slots_and_records_the_tail(model_dir):
     engine = Engine(load_model(model_dir), config=EngineConfig(max_batch_size=4))
     completions, stats = engine.generate(_prompts(10), SamplingParams(n=2, max_new_tokens=25))
-    running = [n for _, n in stats.timeline]
+    running = [n for _, n, _ in stats.timeline]
     assert len(completions) == 20 and max(running) == 4
     assert running[-1] < 4  # the tail: the last steps run with free slots
     assert stats.tokens == sum(len(c.token_ids) for c in completions)
     assert stats.decode_steps == len(stats.timeline)
-    times = [t for t, _ in stats.timeline]
+    times = [t for t, _, _ in stats.timeline]
     assert times == sorted(times)
 
 
@@ -89,7 +89,7 @@ def test_token_budget_limits_admission(model_dir):
     prompts = _prompts(12, lo=5, hi=6)  # 5 + 30 = 35 tokens each, so at most 2 fit in 100
     completions, stats = engine.generate(prompts, params)
     assert len(completions) == 12
-    assert max(n for _, n in stats.timeline) <= 2
+    assert max(n for _, n, _ in stats.timeline) <= 2
 
 
 def test_eos_stop_strings_and_length():

@@ -196,7 +196,7 @@ def test_strategy_candidates():
 @pytest.mark.parametrize("kwargs,message", [
     ({"acceptance": "typical"}, "refused"), ({"acceptance": "threshold"}, "refused"),
     ({"acceptance": "whatever"}, "refused"), ({"mode": "on"}, "needs a drafter"),
-    ({"mode": "maybe"}, "must be off or on"), ({"mode": "on", "drafter": "ngram", "strategy": "9"}, "DEPTH_TOPK"),
+    ({"mode": "maybe"}, "must be off, on or adaptive"), ({"mode": "on", "drafter": "ngram", "strategy": "9"}, "DEPTH_TOPK"),
 ])
 def test_lossless_guard_and_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):

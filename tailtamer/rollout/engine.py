@@ -76,11 +76,27 @@ class RolloutStats:
     decode_steps: int = 0  # target forwards after prefill (plain or verify)
     sd_steps: int = 0
     sd_seconds: float = 0.0
+    plain_seconds: float = 0.0  # decode steps without speculation
+    by_strategy: dict[str, dict] = field(default_factory=dict)  # name -> steps, seconds, tokens, request_steps
     accept_lens: dict[int, int] = field(default_factory=dict)  # tokens emitted per request-step -> count
     depth_accepts: dict[int, int] = field(default_factory=dict)  # draft depth d -> request-steps accepting >= d
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds, running) per step
+    timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (seconds, running, arm) per step
+
+    def record_step(self, end: float, seconds: float, running: int, arm: str, tokens: int) -> None:
+        self.decode_steps += 1
+        if arm == "plain":
+            self.plain_seconds += seconds
+        else:
+            self.sd_steps += 1
+            self.sd_seconds += seconds
+            entry = self.by_strategy.setdefault(arm, {"steps": 0, "seconds": 0.0, "tokens": 0, "request_steps": 0})
+            entry["steps"] += 1
+            entry["seconds"] += seconds
+            entry["tokens"] += tokens
+            entry["request_steps"] += running
+        self.timeline.append((end, running, arm))
 
     def record_sd(self, emitted: int, drafted: int) -> None:
         self.accept_lens[emitted] = self.accept_lens.get(emitted, 0) + 1
@@ -105,23 +121,35 @@ class RolloutStats:
             "decode_steps": self.decode_steps,
             "sd_steps": self.sd_steps,
             "sd_seconds": self.sd_seconds,
+            "plain_seconds": self.plain_seconds,
+            "by_strategy": {k: {**v, "accept_len": v["tokens"] / v["request_steps"]} for k, v in self.by_strategy.items()},
             "accept_len_mean": self.accept_len_mean,
             "accept_len_hist": {str(k): v for k, v in sorted(self.accept_lens.items())},
             "accept_rate_by_position": {str(d): c / n for d, c in sorted(self.depth_accepts.items())} if n else {},
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
-            "timeline": [[round(t, 5), n] for t, n in self.timeline],
+            "timeline": [[round(t, 5), n, arm] for t, n, arm in self.timeline],
         }
 
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, config: EngineConfig = EngineConfig(),
-                 eos_ids: tuple[int, ...] | None = None, proposer=None, strategy: Strategy | None = None):
-        """`proposer` (EagleProposer / NgramProposer) with a `strategy` turns speculative decoding on."""
-        if (proposer is None) != (strategy is None):
-            raise ConfigError("speculative decoding needs both a proposer and a strategy")
+                 eos_ids: tuple[int, ...] | None = None, proposer=None, strategy: Strategy | None = None,
+                 tuner=None, bs_threshold: int | None = None):
+        """Speculative decoding: a `proposer` (EagleProposer / NgramProposer) with either a fixed
+        `strategy` or a `tuner` (rollout/tuner.py) that picks one (or plain decoding) per step.
+        With `bs_threshold`, steps with more running requests than that decode plainly: SD only
+        in the long tail (TLT §2.3)."""
+        if strategy is not None and tuner is None:
+            from tailtamer.rollout.tuner import FixedTuner
+
+            tuner = FixedTuner(strategy)
+        if (proposer is None) != (tuner is None):
+            raise ConfigError("speculative decoding needs both a proposer and a strategy (or tuner)")
+        if bs_threshold is not None and bs_threshold < 1:
+            raise ConfigError(f"spec.bs_threshold must be >= 1, got {bs_threshold}")
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.proposer, self.strategy = proposer, strategy
+        self.proposer, self.tuner, self.bs_threshold = proposer, tuner, bs_threshold
         if eos_ids is None:
             eos_ids = model.config.eos_ids or (
                 (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
@@ -163,15 +191,16 @@ class Engine:
         slots = min(self.config.max_batch_size, len(requests))
         longest = max(r.budget for r in requests)
         if self.proposer is not None:
-            st = self.strategy
-            self.proposer.reserve(slots, longest + max(st.verify, (st.depth - 1) * st.topk) + 1)
+            strategies = self.tuner.strategies
+            verify = max(st.verify for st in strategies)
+            draft_rows = max((st.depth - 1) * st.topk for st in strategies)
+            self.proposer.reserve(slots, longest + max(verify, draft_rows) + 1)
             if hasattr(self.proposer, "register"):
                 self.proposer.register(requests)
-            longest += st.verify
+            longest += verify
         cache = self._cache_for(slots, longest)
         queue, running, done = deque(requests), [], []
         stats, start = RolloutStats(), time.perf_counter()
-        device = self.model.device
         while queue or running:
             admitted = self._admit(queue, running, slots)
             if admitted:
@@ -179,28 +208,40 @@ class Engine:
                 self._prefill(admitted, cache, params)
                 stats.prefill_s += time.perf_counter() - t0
                 running += admitted
-            elif self.proposer is not None:
-                t0 = time.perf_counter()
-                self._speculate(running, cache, params, stats)
-                stats.sd_seconds += time.perf_counter() - t0
-                stats.sd_steps += 1
-                stats.decode_steps += 1
-                stats.timeline.append((time.perf_counter() - start, len(running)))
             else:
-                ids = torch.tensor([[r.output_ids[-1]] for r in running], device=device)
-                starts = torch.tensor([r.cached for r in running], device=device)
-                logits, _ = self.model.decode(ids, cache, slice(0, len(running)), starts)
-                self._emit(running, logits[:, -1], params)
-                for r in running:
-                    r.cached += 1
-                stats.decode_steps += 1
-                stats.timeline.append((time.perf_counter() - start, len(running)))
+                tail = self.proposer is not None and (self.bs_threshold is None or len(running) <= self.bs_threshold)
+                strategy = self.tuner.select(len(running)) if tail else None
+                t0, before = time.perf_counter(), sum(len(r.output_ids) for r in running)
+                if strategy is not None:
+                    self._speculate(running, cache, params, stats, strategy)
+                else:
+                    self._decode_one(running, cache, params)
+                t1 = time.perf_counter()
+                emitted = sum(len(r.output_ids) for r in running) - before
+                if tail:
+                    self.tuner.record(strategy, len(running), t1 - t0, emitted)
+                stats.record_step(t1 - start, t1 - t0, len(running), strategy.name if strategy else "plain", emitted)
             done += [r for r in running if r.finish_reason]
             running = self._compact(running, cache)
         stats.seconds = time.perf_counter() - start
         stats.tokens = sum(len(r.output_ids) for r in done)
         done.sort(key=lambda r: (r.prompt_index, r.sample_index))
         return [self._complete(r) for r in done], stats
+
+    def _decode_one(self, running: list[Request], cache: KVCache, params: SamplingParams) -> None:
+        """A plain decode step; with a learned drafter it also keeps the pairs (h_j, x_(j+1))
+        the target just computed, so switching to SD later needs no extra target forward."""
+        device = self.model.device
+        ids = torch.tensor([[r.output_ids[-1]] for r in running], device=device)
+        starts = torch.tensor([r.cached for r in running], device=device)
+        logits, hidden = self.model.decode(ids, cache, slice(0, len(running)), starts)
+        self._emit(running, logits[:, -1], params)
+        keep = self.proposer is not None and self.proposer.needs_hidden
+        for i, r in enumerate(running):
+            r.cached += 1
+            if keep:
+                r.extend_hidden.append(hidden[i, :1])
+                r.extend_tokens.append(r.output_ids[-1])
 
     def _admit(self, queue: deque, running: list[Request], slots: int) -> list[Request]:
         budget = self.config.max_tokens
@@ -257,11 +298,11 @@ class Engine:
                 r.extend_tokens = r.prompt_ids[1:] + r.output_ids[:1]
 
     def _speculate(self, running: list[Request], cache: KVCache, params: SamplingParams,
-                   stats: RolloutStats) -> None:
+                   stats: RolloutStats, strategy: Strategy) -> None:
         """One SD step (see rollout/speculative.py): draft a tree, verify it in one target
         forward, walk it with the exact rule, commit the accepted path."""
         starts = torch.tensor([r.cached for r in running], device=self.model.device)
-        tree = self.proposer.propose(running, starts, self.strategy)
+        tree = self.proposer.propose(running, starts, strategy)
         logits, hidden = self.model.decode(tree.tokens, cache, slice(0, len(running)), starts,
                                            starts[:, None] + tree.depths, tree.attention_mask())
         probs = target_probs(logits, params)

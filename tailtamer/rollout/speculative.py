@@ -37,25 +37,50 @@ ACCEPTANCE_RULES = ("exact",)
 LOSSY_RULES = ("typical", "threshold", "relaxed", "greedy_under_sampling", "lenient")
 
 
+# BEG-MAB defaults: two real choices per tokens-to-verify group (fastrl's defaults have one,
+# so its bandit never learns), buckets of batch sizes 1-2, 3-8 and 9+ (Strategy.verify 8/5/3).
+DEFAULT_MAB_STRATEGIES = ("4_2_8", "3_3_8", "4_1_5", "2_2_5", "2_1_3", "1_2_3")
+DEFAULT_BUCKET_THRESHOLDS = (1, 3, 9)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    mode: str = "off"  # off: plain decoding; on: speculate at every decode step
-    strategy: str = "4_2_8"  # DEPTH_TOPK_VERIFY
+    mode: str = "off"  # off | on (SD every step, fixed strategy) | adaptive (SD in the long tail, tuned)
+    strategy: str = "4_2_8"  # DEPTH_TOPK_VERIFY for mode=on and tuner=fixed
     drafter: str | None = None  # an EAGLE drafter directory, or "ngram" (model-free)
     acceptance: str = "exact"  # the only rule; see ACCEPTANCE_RULES
+    bs_threshold: int = 4  # adaptive: speculate once at most this many requests run (bench sd: SD >= plain only for B <= 4 here)
+    tuner: str = "beg"  # adaptive: beg (bucketed epsilon-greedy bandit) or fixed
+    strategies: tuple[str, ...] = DEFAULT_MAB_STRATEGIES  # beg: the arms (plus "no SD" in every bucket)
+    bucket_thresholds: tuple[int, ...] = DEFAULT_BUCKET_THRESHOLDS  # beg: one per tokens-to-verify group
+    epsilon: float = 0.1  # beg: exploration probability
+    window: int = 30  # beg: rewards kept per arm (median)
+    seed: int = 0  # beg: exploration randomness (never the sampling randomness)
 
     def __post_init__(self):
-        if self.mode == "adaptive":
-            raise ConfigError("spec.mode 'adaptive' (SD only in the long tail) is not available yet; use off or on")
-        if self.mode not in ("off", "on"):
-            raise ConfigError(f"spec.mode must be off or on, got {self.mode!r}")
+        if self.mode not in ("off", "on", "adaptive"):
+            raise ConfigError(f"spec.mode must be off, on or adaptive, got {self.mode!r}")
         if self.acceptance in LOSSY_RULES or self.acceptance not in ACCEPTANCE_RULES:
             raise ConfigError(f"spec.acceptance {self.acceptance!r} is refused: tailtamer only verifies "
                               f"losslessly ({', '.join(ACCEPTANCE_RULES)}); a relaxed rule would change "
                               f"what the policy samples")
         Strategy.parse(self.strategy)
-        if self.mode == "on" and not self.drafter:
-            raise ConfigError("spec.mode on needs a drafter: a drafter directory or 'ngram'")
+        if self.mode != "off" and not self.drafter:
+            raise ConfigError(f"spec.mode {self.mode} needs a drafter: a drafter directory or 'ngram'")
+        if self.tuner not in ("beg", "fixed"):
+            raise ConfigError(f"spec.tuner must be beg or fixed, got {self.tuner!r}")
+        if self.bs_threshold < 1:
+            raise ConfigError(f"spec.bs_threshold must be >= 1, got {self.bs_threshold}")
+        if self.mode == "adaptive" and self.tuner == "beg":
+            self.make_tuner()  # validates strategies against bucket thresholds
+
+    def make_tuner(self):
+        from tailtamer.rollout.tuner import BEGTuner, FixedTuner
+
+        if self.mode == "on" or self.tuner == "fixed":
+            return FixedTuner(Strategy.parse(self.strategy))
+        return BEGTuner([Strategy.parse(s) for s in self.strategies], list(self.bucket_thresholds),
+                        self.epsilon, self.window, self.seed)
 
 
 @dataclass(frozen=True)
@@ -249,15 +274,17 @@ class EagleProposer:
         return eagle_tree(self.drafter, self.cache, B, starts, logits[rows, last], out[rows, last], pending, strategy)
 
 
-def make_speculator(spec: SpecConfig, target):
-    """(proposer, strategy) for the engine, or (None, None) when speculation is off."""
+def make_speculator(spec: SpecConfig, target) -> dict:
+    """Engine keyword arguments (proposer, tuner, bs_threshold) for `spec`; {} when it is off."""
     if spec.mode == "off":
-        return None, None
-    strategy = Strategy.parse(spec.strategy)
+        return {}
     if spec.drafter == "ngram":
         from tailtamer.rollout.ngram import NgramProposer
 
-        return NgramProposer(), strategy
-    from tailtamer.model.drafter import load_drafter
+        proposer = NgramProposer()
+    else:
+        from tailtamer.model.drafter import load_drafter
 
-    return EagleProposer(load_drafter(spec.drafter, target)), strategy
+        proposer = EagleProposer(load_drafter(spec.drafter, target))
+    return {"proposer": proposer, "tuner": spec.make_tuner(),
+            "bs_threshold": spec.bs_threshold if spec.mode == "adaptive" else None}

@@ -1,0 +1,53 @@
+"""Plots written as PNG files (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def timeline_segments(timeline: list) -> list[tuple[float, float, str]]:
+    """Merge consecutive decode steps with the same arm into (start, end, arm) spans."""
+    spans: list[tuple[float, float, str]] = []
+    previous_end = 0.0
+    for end, _, arm in timeline:
+        if spans and spans[-1][2] == arm:
+            spans[-1] = (spans[-1][0], end, arm)
+        else:
+            spans.append((previous_end, end, arm))
+        previous_end = end
+    return spans
+
+
+def plot_rollout_timeline(timeline: list, path: str | Path, title: str = "rollout") -> Path:
+    """Running requests over time; spans decoded with speculation are shaded per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=110)
+    times = [t for t, _, _ in timeline]
+    running = [n for _, n, _ in timeline]
+    ax.step(times, running, where="post", color="black", linewidth=1.2, label="running requests")
+    colors: dict[str, str] = {}
+    palette = ["tab:orange", "tab:green", "tab:purple", "tab:red", "tab:cyan", "tab:olive"]
+    for start, end, arm in timeline_segments(timeline):
+        if arm == "plain":
+            continue
+        color = colors.setdefault(arm, palette[len(colors) % len(palette)])
+        ax.axvspan(start, end, color=color, alpha=0.3, linewidth=0)
+    from matplotlib.patches import Patch
+
+    handles = ax.get_legend_handles_labels()[0]
+    handles += [Patch(color=c, alpha=0.3, label=f"SD {arm}") for arm, c in colors.items()]
+    ax.set_yscale("symlog", linthresh=8)  # the tail (a handful of requests) stays visible
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("running requests (symlog)")
+    ax.set_title(title)
+    ax.legend(handles=handles, loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

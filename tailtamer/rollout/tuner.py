@@ -1,0 +1,138 @@
+"""Choosing the speculative strategy per decode step from live measurements.
+
+BEG-MAB (bucketed ε-greedy multi-armed bandit; TLT §2.3, fastrl `eagle_mab.py`):
+  - strategies are grouped by tokens-to-verify N, groups sorted by N descending;
+  - batch-size thresholds t_1 = 1 < t_2 < ... < t_m split batch sizes into buckets
+    B_i = [t_i, t_(i+1) − 1] (the last one open), and bucket i gets the i-th group, so small
+    batches verify large trees and larger batches small ones (paper Table 4);
+  - every bucket also has the arm "no SD", so a bucket where speculation loses falls back to
+    plain decoding and the engine is never slower than plain decoding for long;
+  - within a bucket: with probability ε a uniformly random arm, otherwise the arm with the
+    highest median reward over its last `window` pulls (an arm never pulled scores +∞);
+    reward r = tokens emitted / step seconds (accepted tokens per second). The median keeps
+    one noisy step from deciding.
+Unlike the reference defaults (one strategy per bucket, so nothing is learned; fastrl-code.md
+§3.2), the default groups hold two strategies each plus "no SD".
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from tailtamer.errors import ConfigError
+from tailtamer.rollout.speculative import Strategy
+
+NO_SD = "plain"
+
+
+def group_by_verify(strategies: list[Strategy]) -> list[list[Strategy]]:
+    """Strategies grouped by tokens to verify, the group with the largest N first."""
+    groups: dict[int, list[Strategy]] = {}
+    for s in strategies:
+        groups.setdefault(s.verify, []).append(s)
+    return [groups[n] for n in sorted(groups, reverse=True)]
+
+
+def bucket_of(batch_size: int, thresholds: list[int]) -> int:
+    """Index i of the bucket [t_i, t_(i+1) − 1] holding batch_size (the last bucket is open)."""
+    index = 0
+    for i, t in enumerate(thresholds):
+        if batch_size >= t:
+            index = i
+    return index
+
+
+def median_reward(rewards) -> float:
+    return statistics.median(rewards) if rewards else float("inf")
+
+
+def epsilon_greedy(arms: list[str], medians: dict[str, float], epsilon: float, rng: random.Random) -> str:
+    """With probability ε a uniform arm, else the best median (ties: the first listed)."""
+    if len(arms) == 1:
+        return arms[0]
+    if rng.random() < epsilon:
+        return rng.choice(arms)
+    return max(arms, key=lambda a: medians[a])
+
+
+class FixedTuner:
+    """Always the same strategy (the `fixed` tuner; also what `spec.mode=on` uses)."""
+
+    def __init__(self, strategy: Strategy):
+        self.strategy = strategy
+        self.strategies = [strategy]
+
+    def select(self, batch_size: int) -> Strategy | None:
+        return self.strategy
+
+    def record(self, arm: Strategy | None, batch_size: int, seconds: float, tokens: int) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {"tuner": "fixed", "strategy": self.strategy.name}
+
+
+@dataclass
+class _Arm:
+    rewards: deque
+    pulls: int = 0
+
+
+@dataclass
+class BEGTuner:
+    strategies: list[Strategy]
+    thresholds: list[int]
+    epsilon: float = 0.1
+    window: int = 30
+    seed: int = 0
+    groups: list[list[Strategy]] = field(init=False)
+    arms: list[dict[str, _Arm]] = field(init=False)
+
+    def __post_init__(self):
+        self.groups = group_by_verify(self.strategies)
+        validate_buckets(self.groups, self.thresholds)
+        if not 0 <= self.epsilon <= 1:
+            raise ConfigError(f"spec.epsilon must be in [0, 1], got {self.epsilon}")
+        if self.window < 1:
+            raise ConfigError(f"spec.window must be >= 1, got {self.window}")
+        self.rng = random.Random(self.seed)
+        self.by_name = {s.name: s for s in self.strategies}
+        self.arms = [{name: _Arm(deque(maxlen=self.window)) for name in [s.name for s in g] + [NO_SD]}
+                     for g in self.groups]
+
+    def select(self, batch_size: int) -> Strategy | None:
+        bucket = self.arms[bucket_of(batch_size, self.thresholds)]
+        names = list(bucket)
+        choice = epsilon_greedy(names, {n: median_reward(a.rewards) for n, a in bucket.items()},
+                                self.epsilon, self.rng)
+        return None if choice == NO_SD else self.by_name[choice]
+
+    def record(self, arm: Strategy | None, batch_size: int, seconds: float, tokens: int) -> None:
+        if seconds <= 0:
+            return
+        entry = self.arms[bucket_of(batch_size, self.thresholds)][NO_SD if arm is None else arm.name]
+        entry.rewards.append(tokens / seconds)
+        entry.pulls += 1
+
+    def summary(self) -> dict:
+        out = []
+        for i, bucket in enumerate(self.arms):
+            lo = self.thresholds[i]
+            hi = self.thresholds[i + 1] - 1 if i + 1 < len(self.thresholds) else None
+            medians = {n: median_reward(a.rewards) for n, a in bucket.items() if a.rewards}
+            out.append({"batch_sizes": [lo, hi], "pulls": {n: a.pulls for n, a in bucket.items()},
+                        "median_tokens_per_s": {n: round(m, 1) for n, m in medians.items()},
+                        "best": max(medians, key=medians.get) if medians else None})
+        return {"tuner": "beg", "buckets": out}
+
+
+def validate_buckets(groups: list[list[Strategy]], thresholds: list[int]) -> None:
+    if len(thresholds) != len(groups):
+        sizes = [g[0].verify for g in groups]
+        raise ConfigError(f"spec.bucket_thresholds has {len(thresholds)} entries but the strategies form "
+                          f"{len(groups)} groups by tokens to verify {sizes}: give one threshold per group")
+    if not thresholds or thresholds[0] != 1 or any(b <= a for a, b in zip(thresholds, thresholds[1:])):
+        raise ConfigError(f"spec.bucket_thresholds must start at 1 and increase strictly, got {thresholds}")

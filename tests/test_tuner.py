@@ -1,0 +1,142 @@
+"""BEG-MAB strategy selection: grouping, bucketing, windowing, exploration, the no-SD arm;
+and the adaptive engine that uses it."""
+
+import random
+
+import pytest
+import torch
+
+from tailtamer.errors import ConfigError
+from tailtamer.rollout.speculative import SpecConfig, Strategy
+from tailtamer.rollout.tuner import (NO_SD, BEGTuner, FixedTuner, bucket_of, epsilon_greedy, group_by_verify,
+                                     median_reward)
+
+S = Strategy.parse
+
+
+def test_groups_are_by_tokens_to_verify_largest_first():
+    groups = group_by_verify([S("2_1_3"), S("4_2_8"), S("1_2_3"), S("3_3_8")])
+    assert [[s.name for s in g] for g in groups] == [["4_2_8", "3_3_8"], ["2_1_3", "1_2_3"]]
+
+
+@pytest.mark.parametrize("bs,bucket", [(1, 0), (2, 0), (3, 1), (8, 1), (9, 2), (500, 2)])
+def test_buckets(bs, bucket):
+    assert bucket_of(bs, [1, 3, 9]) == bucket
+
+
+def test_median_reward_of_an_unpulled_arm_is_infinite():
+    assert median_reward([]) == float("inf")
+    assert median_reward([1.0, 100.0, 3.0]) == 3.0
+
+
+def test_epsilon_greedy_exploits_and_explores():
+    rng = random.Random(0)
+    medians = {"a": 1.0, "b": 5.0, "c": 2.0}
+    assert all(epsilon_greedy(list(medians), medians, 0.0, rng) == "b" for _ in range(50))
+    picks = [epsilon_greedy(list(medians), medians, 1.0, rng) for _ in range(3000)]
+    assert all(800 < picks.count(a) < 1200 for a in medians)
+    assert epsilon_greedy(["only"], {"only": 0.0}, 1.0, rng) == "only"
+
+
+def _tuner(**kw):
+    return BEGTuner([S("4_2_8"), S("3_3_8"), S("2_1_3"), S("1_2_3")], [1, 5], epsilon=0.0, window=4, **kw)
+
+
+def test_each_arm_is_tried_once_then_the_best_median_wins():
+    tuner = _tuner()
+    speed = {"4_2_8": 300.0, "3_3_8": 500.0, NO_SD: 200.0}
+    seen = []
+    for _ in range(10):
+        arm = tuner.select(2)
+        name = arm.name if arm else NO_SD
+        seen.append(name)
+        tuner.record(arm, 2, 1.0, speed[name])
+    assert set(seen[:3]) == {"4_2_8", "3_3_8", NO_SD}  # unexplored arms score +inf
+    assert seen[3:] == ["3_3_8"] * 7
+    # Batch size 7 is in the other bucket, whose arms are the verify-3 group and plain decoding.
+    assert {getattr(_tuner().select(7), "name", NO_SD) for _ in range(1)} <= {"2_1_3", "1_2_3", NO_SD}
+
+
+def test_a_bucket_where_speculation_loses_falls_back_to_plain():
+    tuner = _tuner()
+    for _ in range(6):
+        arm = tuner.select(8)
+        tuner.record(arm, 8, 1.0, 100.0 if arm is None else 60.0)
+    assert tuner.select(8) is None
+    assert tuner.summary()["buckets"][1]["best"] == NO_SD
+
+
+def test_the_window_forgets_old_rewards():
+    tuner = _tuner()
+    for arm, reward in [("4_2_8", 900.0), ("3_3_8", 500.0), (NO_SD, 100.0)]:
+        tuner.record(S(arm) if arm != NO_SD else None, 1, 1.0, reward)
+    assert tuner.select(1).name == "4_2_8"
+    for _ in range(4):  # the drafter went stale: 4_2_8 is now slow; window 4 drops the 900
+        tuner.record(S("4_2_8"), 1, 1.0, 50.0)
+    assert tuner.select(1).name == "3_3_8"
+
+
+def test_exploration_is_reproducible_from_the_seed():
+    a = BEGTuner([S("4_2_8"), S("3_3_8")], [1], epsilon=0.5, seed=3)
+    b = BEGTuner([S("4_2_8"), S("3_3_8")], [1], epsilon=0.5, seed=3)
+    for t in (a, b):
+        for arm in (S("4_2_8"), S("3_3_8"), None):
+            t.record(arm, 1, 1.0, 10.0)
+    assert [a.select(1) for _ in range(30)] == [b.select(1) for _ in range(30)]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"bucket_thresholds": (1, 3)}, "2 entries but the strategies form 3 groups"),
+    ({"bucket_thresholds": (2, 3, 9)}, "must start at 1"),
+    ({"bucket_thresholds": (1, 9, 3)}, "increase strictly"),
+    ({"strategies": ("4_2_8", "bad")}, "not DEPTH_TOPK_VERIFY"),
+    ({"epsilon": 2.0}, "epsilon"),
+    ({"tuner": "ucb"}, "tuner must be beg or fixed"),
+    ({"bs_threshold": 0}, "bs_threshold"),
+])
+def test_bad_adaptive_configs(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SpecConfig(mode="adaptive", drafter="ngram", **kwargs)
+
+
+def test_fixed_tuner_and_mode_on_use_the_strategy():
+    assert SpecConfig(mode="on", drafter="ngram", strategy="3_1_4").make_tuner().select(100) == S("3_1_4")
+    assert isinstance(SpecConfig(mode="adaptive", drafter="ngram", tuner="fixed").make_tuner(), FixedTuner)
+
+
+# --- the adaptive engine ---------------------------------------------------------------------
+
+def test_adaptive_engine_speculates_only_in_the_tail_and_is_lossless():
+    from conftest import random_model, tiny_config
+    from tailtamer.model.drafter import init_drafter
+    from tailtamer.rollout.engine import Engine, EngineConfig
+    from tailtamer.rollout.sampling import SamplingParams
+    from tailtamer.rollout.speculative import EagleProposer
+
+    model = random_model(tiny_config()).double()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 100, (int(k),), generator=gen).tolist() for k in torch.randint(1, 10, (6,), generator=gen)]
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=40, seed=8)
+    plain, _ = Engine(model, config=EngineConfig(max_batch_size=12)).generate(prompts, params)
+    tuner = BEGTuner([S("3_2_6"), S("2_3_6"), S("2_1_3"), S("1_2_3")], [1, 3], epsilon=0.2, window=10)
+    engine = Engine(model, config=EngineConfig(max_batch_size=12), proposer=EagleProposer(init_drafter(model, std=0.2)),
+                    tuner=tuner, bs_threshold=10)
+    adaptive, stats = engine.generate(prompts, params)
+    assert [c.token_ids for c in adaptive] == [c.token_ids for c in plain]
+    arms = [(running, arm) for _, running, arm in stats.timeline]
+    assert all(arm == "plain" for running, arm in arms if running > 10)
+    assert any(arm != "plain" for running, arm in arms if running <= 10)
+    summary = stats.summary()
+    assert summary["plain_seconds"] > 0 and summary["sd_seconds"] > 0
+    assert set(summary["by_strategy"]) <= {"3_2_6", "2_3_6", "2_1_3", "1_2_3"}
+    pulls = sum(sum(b["pulls"].values()) for b in tuner.summary()["buckets"])
+    assert pulls == sum(1 for running, _ in arms if running <= 10)
+
+
+def test_timeline_plot(tmp_path):
+    from tailtamer.plots import plot_rollout_timeline, timeline_segments
+
+    timeline = [(0.1, 8, "plain"), (0.2, 6, "plain"), (0.25, 3, "4_2_8"), (0.3, 2, "4_2_8"), (0.32, 1, "2_1_3")]
+    assert timeline_segments(timeline) == [(0.0, 0.2, "plain"), (0.2, 0.3, "4_2_8"), (0.3, 0.32, "2_1_3")]
+    path = plot_rollout_timeline(timeline, tmp_path / "t.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
