@@ -68,10 +68,11 @@ def encode_example(tok: Tokenizer, problem: dict) -> tuple[list[int], list[int]]
     return prompt + response, [0] * len(prompt) + [1] * len(response)
 
 
-def make_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
+def make_batch(examples: list[tuple[list[int], list[int]]], pad_id: int, device=None):
+    """Right-pad (ids, mask) examples to (B, T) tensors: ids and a bool mask (False on pads)."""
     width = max(len(ids) for ids, _ in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(examples), width), dtype=torch.bool, device=device)
     for i, (x, m) in enumerate(examples):
         ids[i, : len(x)] = torch.tensor(x)
         mask[i, : len(m)] = torch.tensor(m, dtype=torch.bool)

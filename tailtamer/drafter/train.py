@@ -22,6 +22,7 @@ from tailtamer.atomic import atomic_write_json
 from tailtamer.errors import ConfigError, DataError
 from tailtamer.model.drafter import Drafter, init_drafter, load_drafter, save_drafter
 from tailtamer.model.transformer import Transformer
+from tailtamer.sft import make_batch
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,6 @@ def read_texts(path: str | Path) -> list[str]:
     return texts
 
 
-def padded(batch: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(x) for x in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
-    valid = torch.zeros(len(batch), width, dtype=torch.bool, device=device)
-    for i, x in enumerate(batch):
-        ids[i, : len(x)] = torch.tensor(x)
-        valid[i, : len(x)] = True
-    return ids, valid
-
-
 def train_drafter(target: Transformer, sequences: list[list[int]], cfg: DrafterTrainConfig,
                   drafter: Drafter | None = None, log: Callable[[str], None] = print) -> tuple[Drafter, dict]:
     sequences = [s for s in sequences if len(s) >= 3]
@@ -129,7 +120,7 @@ def _train(target, sequences, cfg, drafter, rng, log):
         # Batches of similar length waste less on padding (lengths are long-tailed).
         pool = sorted(rng.sample(sequences, min(len(sequences), cfg.batch_size * 4)), key=len)
         start = rng.randrange(0, max(1, len(pool) - cfg.batch_size + 1))
-        ids, valid = padded(pool[start: start + cfg.batch_size], target.device)
+        ids, valid = make_batch([(x, [1] * len(x)) for x in pool[start: start + cfg.batch_size]], 0, target.device)
         with torch.no_grad():
             t_logits, hidden = target(ids)
         x, h_in, h_next, logits_next, mask = eagle_pairs(ids, hidden, t_logits, valid)

@@ -28,7 +28,7 @@ from torch import nn
 from tailtamer.atomic import atomic_write, atomic_write_json
 from tailtamer.errors import CheckpointError
 from tailtamer.model.config import ModelConfig
-from tailtamer.model.io import check_state_dict, read_json, read_safetensors
+from tailtamer.model.io import check_state_dict, init_weights_, read_json, read_safetensors
 from tailtamer.model.transformer import DecoderLayer, KVCache, Transformer, decode_inputs, inv_freq, rotary_tables
 
 EAGLE_ARCHITECTURES = {"Qwen2ForCausalLM": "Qwen2ForCausalLMEagle", "LlamaForCausalLM": "LlamaForCausalLMEagle"}
@@ -88,16 +88,8 @@ def check_fits(drafter_cfg: ModelConfig, target_cfg: ModelConfig, source: str) -
 
 
 def init_drafter(target: Transformer, seed: int = 0, std: float = 0.02) -> Drafter:
-    gen = torch.Generator().manual_seed(seed)
     drafter = Drafter(target)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    init_weights_(drafter, seed, std)
     return drafter.to(target.dtype)
 
 

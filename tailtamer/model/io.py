@@ -120,16 +120,20 @@ def save_model(model: Transformer, model_dir: str | Path) -> None:
     atomic_write_json(model_dir / "config.json", hf)
 
 
-def init_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> Transformer:
+def init_weights_(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random init as transformers does: normal(0, std) weights, zero biases, unit norms."""
     gen = torch.Generator().manual_seed(seed)
-    model = Transformer(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+        for name, p in module.named_parameters():
+            if "norm" in name:
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> Transformer:
+    model = Transformer(cfg)
+    init_weights_(model, seed, std)
     return model.eval()
