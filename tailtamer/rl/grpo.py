@@ -1,0 +1,130 @@
+"""GRPO-family maths as small pure functions: advantages, the clipped policy loss, loss
+aggregation, KL penalties, entropy, dynamic-sampling and overlong filters.
+
+Shapes: rewards (G, n) for G prompt groups of n samples; token tensors (B, T) with a
+response mask (B, T) that is True on the response tokens that count.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# --- advantages: one scalar per sample, broadcast over its tokens -------------------------------
+
+
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (r_i − mean_g) / (std_g + ε), std unbiased over the group (Shao et al. 2024, DeepSeekMath §4.1)."""
+    mean = rewards.mean(-1, keepdim=True)
+    std = rewards.std(-1, keepdim=True) if rewards.shape[-1] > 1 else torch.zeros_like(mean)
+    return (rewards - mean) / (std + eps)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i − mean_g: no std normalisation, which biases toward easy/hard groups (Liu et al. 2025, Dr. GRPO)."""
+    return rewards - rewards.mean(-1, keepdim=True)
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i − mean_{j≠i} r_j = n/(n−1) · (r_i − mean_g), leave-one-out baseline (Ahmadian et al. 2024)."""
+    n = rewards.shape[-1]
+    if n < 2:
+        return torch.zeros_like(rewards)
+    return (rewards - rewards.mean(-1, keepdim=True)) * n / (n - 1)
+
+
+ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages,
+}
+
+# --- per-token policy loss ----------------------------------------------------------------------
+
+
+def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                        clip_low: float = 0.2, clip_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss with separate bounds (Schulman et al. 2017; DAPO clip-higher, Yu et al. 2025):
+
+        ρ = exp(log π − log π_old),   ℓ = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
+
+    advantages (B,) or (B, T). Returns (loss per token, clipped indicator per token)."""
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped)
+
+
+# --- loss aggregation ---------------------------------------------------------------------------
+
+
+def token_mean(loss: torch.Tensor, mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """Σ ℓ·m / Σ m over the whole batch: every token weighs the same (DAPO)."""
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """mean over sequences of (Σ_t ℓ·m / Σ_t m): every sequence weighs the same (original GRPO)."""
+    per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_seq[mask.any(-1)].mean() if mask.any() else per_seq.sum() * 0
+
+
+def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """mean over sequences of Σ_t ℓ·m / L with a constant L (the max response length): no
+    length bias (Dr. GRPO)."""
+    length = max_len or loss.shape[-1]
+    return ((loss * mask).sum(-1) / length).mean()
+
+
+AGGREGATIONS: dict[str, Callable] = {
+    "token-mean": token_mean, "seq-mean-token-mean": seq_mean_token_mean,
+    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+}
+
+# --- KL penalty against a reference policy ------------------------------------------------------
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log π − log π_ref: unbiased, high variance (Schulman 2020, "Approximating KL")."""
+    return logp - ref_logp
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 10.0) -> torch.Tensor:
+    """k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 ≥ 0: unbiased, low variance
+    (verl's low_var_kl; the log-ratio is clamped to ±clamp for stability)."""
+    d = (ref_logp - logp).clamp(-clamp, clamp)
+    return (torch.exp(d) - d - 1).clamp(-clamp, clamp)
+
+
+KL_ESTIMATORS: dict[str, Callable] = {"k1": kl_k1, "k3": kl_k3, "low_var_kl": kl_k3}
+
+# --- token statistics -----------------------------------------------------------------------------
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(token) under the sampling temperature; logits (B, T, V) predict tokens (B, T)."""
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    return torch.gather(logp, -1, tokens[..., None]).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H = −Σ p log p per position (B, T)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+# --- sample filters -------------------------------------------------------------------------------
+
+
+def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """(G,) True for groups whose rewards are not all equal: DAPO dynamic sampling drops the
+    others, whose GRPO advantages are all zero (Yu et al. 2025)."""
+    return (rewards.max(-1).values - rewards.min(-1).values) > 0
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int) -> torch.Tensor:
+    """DAPO soft overlong punishment: 0 up to max_len − buffer, then linearly down to −1 at
+    max_len (and −1 beyond)."""
+    start = max_len - buffer
+    return -((lengths - start).clamp(min=0) / max(1, buffer)).clamp(max=1.0)

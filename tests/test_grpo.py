@@ -1,0 +1,84 @@
+"""GRPO-family maths against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from tailtamer.rl.grpo import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, clipped_policy_loss, informative_groups,
+                               overlong_penalty, token_entropy, token_log_probs)
+
+R = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+
+
+def test_grpo_advantages():
+    a = ADVANTAGES["grpo"](R)
+    std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    assert a[0].tolist() == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std], rel=1e-5)
+    std2 = math.sqrt(((0.25 ** 2) * 3 + 0.75 ** 2) / 3)
+    assert a[1, 3].item() == pytest.approx(-0.75 / std2, rel=1e-5)
+
+
+def test_dr_grpo_and_rloo_advantages():
+    assert ADVANTAGES["dr_grpo"](R)[1].tolist() == pytest.approx([0.25, 0.25, 0.25, -0.75])
+    # RLOO: r_i minus the mean of the other three.
+    assert ADVANTAGES["rloo"](R)[1].tolist() == pytest.approx([1 - 2 / 3, 1 - 2 / 3, 1 - 2 / 3, 0 - 1])
+
+
+def test_equal_rewards_give_zero_advantage_and_are_filtered():
+    same = torch.tensor([[1.0, 1.0, 1.0]])
+    for name in ADVANTAGES:
+        assert torch.all(ADVANTAGES[name](same) == 0), name
+    assert informative_groups(torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])).tolist() == [False, True, False]
+
+
+def test_clipped_policy_loss_by_hand():
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.0, 1.5, 0.5, 1.1]]))
+    loss, clipped = clipped_policy_loss(logp, old, torch.tensor([1.0]), clip_low=0.2, clip_high=0.28)
+    # ratios 1, 1.5, 0.5, 1.1 with A = +1: min(ρ, clip(ρ, 0.8, 1.28)) = 1, 1.28, 0.5, 1.1
+    assert (-loss).tolist()[0] == pytest.approx([1.0, 1.28, 0.5, 1.1])
+    assert clipped.tolist() == [[False, True, False, False]]
+    loss, _ = clipped_policy_loss(logp, old, torch.tensor([-1.0]), clip_low=0.2, clip_high=0.28)
+    # A = −1: min(−ρ, −clip(ρ)) = −1, −1.5, −0.8, −1.1
+    assert (-loss).tolist()[0] == pytest.approx([-1.0, -1.5, -0.8, -1.1])
+
+
+def test_on_policy_gradient_is_the_advantage_weighted_score():
+    logp = torch.zeros(1, 3, requires_grad=True)
+    loss, _ = clipped_policy_loss(logp, logp.detach(), torch.tensor([2.0]))
+    loss.sum().backward()
+    assert logp.grad.tolist() == [[-2.0, -2.0, -2.0]]
+
+
+def test_aggregations_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    assert AGGREGATIONS["token-mean"](loss, mask).item() == pytest.approx(10 / 4)
+    assert AGGREGATIONS["seq-mean-token-mean"](loss, mask).item() == pytest.approx((2 + 4) / 2)
+    assert AGGREGATIONS["seq-mean-token-sum-norm"](loss, mask, max_len=8).item() == pytest.approx((6 / 8 + 4 / 8) / 2)
+
+
+def test_kl_estimators():
+    logp = torch.log(torch.tensor([0.5, 0.2]))
+    ref = torch.log(torch.tensor([0.25, 0.2]))
+    assert KL_ESTIMATORS["k1"](logp, ref).tolist() == pytest.approx([math.log(2), 0.0])
+    # k3 with log-ratio d = log(0.25/0.5) = −ln 2: e^d − d − 1 = 0.5 + ln 2 − 1
+    assert KL_ESTIMATORS["k3"](logp, ref).tolist() == pytest.approx([0.5 + math.log(2) - 1, 0.0])
+    assert KL_ESTIMATORS["low_var_kl"] is KL_ESTIMATORS["k3"]
+    # k3 is an unbiased estimate of KL(π || π_ref) when tokens are drawn from π.
+    p = torch.tensor([0.7, 0.2, 0.1])
+    q = torch.tensor([0.3, 0.3, 0.4])
+    exact = (p * (p / q).log()).sum()
+    assert (p * KL_ESTIMATORS["k3"](p.log(), q.log())).sum().item() == pytest.approx(exact.item(), rel=1e-5)
+
+
+def test_token_log_probs_and_entropy():
+    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
+    assert token_log_probs(logits, torch.tensor([[1]])).item() == pytest.approx(math.log(0.25))
+    assert token_entropy(logits).item() == pytest.approx(-(0.5 * math.log(0.5) + 0.5 * math.log(0.25)))
+
+
+def test_overlong_penalty():
+    lengths = torch.tensor([10, 80, 90, 100, 120])
+    assert overlong_penalty(lengths, max_len=100, buffer=20).tolist() == pytest.approx([0, 0, -0.5, -1, -1])
