@@ -14,6 +14,25 @@ from tailtamer.errors import TailtamerError
 from tailtamer.rollout.speculative import SpecConfig
 
 
+def cmd_train(args) -> None:
+    from tailtamer.config import config_help, load_train_config
+    from tailtamer.rl.trainer import train
+
+    if args.help_config:
+        print("\n".join(config_help()))
+        return
+    items = list(args.items)
+    path = items.pop(0) if items and "=" not in items[0] else None
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None:
+        if path is not None:
+            raise TailtamerError("--resume takes its config from the run directory; give only key=value overrides")
+        path = resume / "config.yaml"
+    cfg = load_train_config(path, items)
+    summary = train(cfg, resume)
+    print(json.dumps(summary, indent=2))
+
+
 def cmd_generate(args) -> None:
     from tailtamer.atomic import atomic_write_json, atomic_write_text
     from tailtamer.model.io import load_model
@@ -142,6 +161,12 @@ def cmd_bench(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tailtamer", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+
+    tr = sub.add_parser("train", help="GRPO-family RL; no arguments = the built-in default job")
+    tr.add_argument("items", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    tr.add_argument("--resume", help="continue the run in this directory from its last checkpoint")
+    tr.add_argument("--help-config", action="store_true", help="list every config field with its default and help")
+    tr.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="sample completions for a prompts file")
     g.add_argument("--model", required=True, help="HF-format model directory")

@@ -75,3 +75,51 @@ def load_prompts(path: str | Path, tokenizer: Tokenizer) -> tuple[list[dict], li
             raise DataError(f"{where}: prompt tokenizes to nothing")
         ids.append(tokens)
     return rows, ids
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """JSONL, or parquet (needs pandas + pyarrow), with a `_row` number on each row."""
+    path = Path(path)
+    if path.suffix != ".parquet":
+        return read_jsonl(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    try:
+        import pandas as pd
+
+        frame = pd.read_parquet(path)
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pandas and pyarrow (pip install pandas pyarrow)") from None
+    except Exception as e:  # pyarrow raises many types for a bad file
+        raise DataError(f"{path}: cannot read parquet ({e})") from None
+    rows = [{**{k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in r.items()}, "_row": i + 1}
+            for i, r in enumerate(frame.to_dict("records"))]
+    if not rows:
+        raise DataError(f"{path}: no rows (the file is empty)")
+    return rows
+
+
+def row_answer(row: dict, where: str) -> str:
+    """`answer`, or verl-style `reward_model.ground_truth`."""
+    if "answer" in row and row["answer"] is not None:
+        return str(row["answer"])
+    truth = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
+    if truth is not None:
+        return str(truth)
+    raise DataError(f"{where}: row has no 'answer' (or 'reward_model.ground_truth')")
+
+
+def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: int) -> tuple[list[dict], int]:
+    """Rows {prompt_ids, answer} for RL, and how many prompts were skipped as too long."""
+    rows, skipped = [], 0
+    for row in read_rows(path):
+        where = f"{path}:{row['_row']}"
+        ids = tokenizer.encode(prompt_text(row, tokenizer, where))
+        answer = row_answer(row, where)
+        if len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        rows.append({"prompt_ids": ids, "answer": answer})
+    if not rows:
+        raise DataError(f"{path}: every prompt is longer than data.max_prompt_tokens={max_prompt_tokens}")
+    return rows, skipped

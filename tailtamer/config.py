@@ -1,0 +1,242 @@
+"""Training configuration: frozen dataclasses with one-line help per field, loaded from YAML
+plus dotted overrides (`tailtamer train cfg.yaml rl.lr=1e-6`), validated at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tailtamer.errors import ConfigError
+from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
+from tailtamer.rollout.speculative import SpecConfig
+
+
+class _YAML12Loader(yaml.SafeLoader):
+    """YAML 1.2 scalars: `4_2_8` stays a string (a strategy, not the int 428), `1e-6` is a float
+    (YAML 1.1 wants `1.0e-6`) and `on`/`off` are strings (spec.mode), not booleans."""
+
+
+_INT, _FLOAT, _BOOL = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool"
+_YAML12Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag not in (_INT, _FLOAT, _BOOL)]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YAML12Loader.add_implicit_resolver(_BOOL, re.compile(r"^(true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_YAML12Loader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(0|[1-9][0-9]*)$"), list("-+0123456789"))
+_YAML12Loader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str):
+    return yaml.load(text, Loader=_YAML12Loader)
+
+
+def f(default, help: str):
+    """A field with its help text (shown by `tailtamer train --help-config`)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = f("default", "run directory name under out_dir")
+    out_dir: str = f("runs", "where run directories are written")
+    model: str | None = f(None, "policy model directory; empty = the built-in base model (tailtamer sft)")
+    steps: int = f(40, "RL steps")
+    eval_every: int = f(10, "greedy accuracy on the held-out split every N steps (0 = never)")
+    save_every: int = f(10, "checkpoint every N steps (atomic; 0 = only at the end)")
+    seed: int = f(0, "seeds data order, sampling and initialisation")
+    max_bad_steps: int = f(3, "stop (with a checkpoint) after this many NaN/inf losses in a row")
+
+    def __post_init__(self):
+        for name in ("steps",):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "save_every", "max_bad_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"run.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = f("builtin", "prompts: 'builtin' (the arithmetic task) or a JSONL/parquet file")
+    eval: str | None = f(None, "held-out prompts; default: a held-out built-in split, or none for files")
+    n_builtin: int = f(4096, "built-in training problems")
+    n_eval: int = f(64, "held-out prompts used per evaluation")
+    max_prompt_tokens: int = f(256, "longer prompts are skipped (and counted), never truncated")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompts_per_step: int = f(16, "prompts sampled per RL step")
+    group_size: int = f(8, "samples per prompt (the GRPO group)")
+    max_new_tokens: int = f(320, "response length limit")
+    temperature: float = f(1.0, "sampling temperature (also used for the policy's log-probs)")
+    top_p: float = f(1.0, "nucleus sampling")
+    max_batch_size: int = f(512, "requests decoded together")
+
+    def __post_init__(self):
+        if self.prompts_per_step < 1 or self.group_size < 1:
+            raise ConfigError("rollout.prompts_per_step and rollout.group_size must be >= 1")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature must be > 0 for RL, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    advantage: str = f("grpo", f"advantage estimator: {', '.join(ADVANTAGES)}")
+    loss_agg: str = f("token-mean", f"loss aggregation: {', '.join(AGGREGATIONS)}")
+    lr: float = f(3e-4, "AdamW learning rate (constant after warm-up)")
+    warmup: int = f(3, "linear warm-up steps")
+    weight_decay: float = f(0.0, "AdamW weight decay")
+    clip_low: float = f(0.2, "PPO clip ε_low")
+    clip_high: float = f(0.28, "PPO clip ε_high (DAPO clip-higher)")
+    kl_coef: float = f(0.0, "KL penalty coefficient; > 0 loads a frozen reference model")
+    kl_estimator: str = f("k3", f"KL estimator: {', '.join(KL_ESTIMATORS)}")
+    entropy_coef: float = f(0.0, "entropy bonus coefficient")
+    ppo_epochs: int = f(1, "passes over each rollout")
+    minibatches: int = f(2, "optimizer steps per pass")
+    grad_clip: float = f(1.0, "gradient norm clip")
+    dynamic_sampling: bool = f(False, "drop groups whose rewards all agree (DAPO)")
+    overlong: str = f("none", "truncated responses: none, mask (no loss), or penalty (DAPO soft punishment)")
+    overlong_buffer: int = f(64, "penalty: tokens before max_new_tokens where the penalty ramps to -1")
+    reward: str = f("builtin", "reward: builtin, math (math-verify), or module:function / file.py:function")
+    reward_timeout_s: float = f(5.0, "a reward call taking longer scores 0 (counted)")
+
+    def __post_init__(self):
+        for name, registry in (("advantage", ADVANTAGES), ("loss_agg", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
+            if getattr(self, name) not in registry:
+                raise ConfigError(f"rl.{name} {getattr(self, name)!r} is unknown; choose one of {sorted(registry)}")
+        if self.overlong not in ("none", "mask", "penalty"):
+            raise ConfigError(f"rl.overlong must be none, mask or penalty, got {self.overlong!r}")
+        if not self.lr > 0 or self.kl_coef < 0 or self.ppo_epochs < 1 or self.minibatches < 1:
+            raise ConfigError("rl: need lr > 0, kl_coef >= 0, ppo_epochs >= 1 and minibatches >= 1")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ConfigError(f"rl: clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run: RunConfig = f(RunConfig(), "run")
+    data: DataConfig = f(DataConfig(), "data")
+    rollout: RolloutConfig = f(RolloutConfig(), "rollout")
+    rl: RLConfig = f(RLConfig(), "rl")
+    spec: SpecConfig = f(SpecConfig(), "speculative decoding in the rollout")
+
+    def __post_init__(self):
+        if self.rollout.prompts_per_step * self.rollout.group_size % self.rl.minibatches:
+            raise ConfigError(f"rl.minibatches ({self.rl.minibatches}) must divide prompts_per_step x group_size "
+                              f"({self.rollout.prompts_per_step * self.rollout.group_size})")
+
+
+def _coerce(value: Any, kind, where: str):
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = [k for k in typing.get_args(kind) if k is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, options[0], where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        inner = typing.get_args(kind)[0]
+        return tuple(_coerce(v, inner, where) for v in value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, str) and isinstance(value, kind) and not isinstance(value, bool):
+        return value
+    raise ConfigError(f"{where}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+def from_dict(cls, data: dict | None, where: str = ""):
+    """Build a (nested) config dataclass, naming the dotted path of any unknown or bad field."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for fl in fields(cls):
+        if fl.name not in data:
+            continue
+        value, path = data.pop(fl.name), f"{where}{fl.name}"
+        kind = hints[fl.name]
+        if is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: expected a section (mapping), got {value!r}")
+            kwargs[fl.name] = from_dict(kind, value, f"{path}.")
+        else:
+            kwargs[fl.name] = _coerce(value, kind, path)
+    if data:
+        known = ", ".join(fl.name for fl in fields(cls))
+        raise ConfigError(f"unknown config field(s) {', '.join(where + k for k in data)}; known here: {known}")
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict (tuples as lists) for YAML."""
+    out = {}
+    for fl in fields(cfg):
+        value = getattr(cfg, fl.name)
+        out[fl.name] = to_dict(value) if is_dataclass(value) else list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Apply `a.b.c=value` (value parsed as YAML) to a nested dict."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. rl.lr=1e-6)")
+    key, raw = item.split("=", 1)
+    try:
+        value = parse_yaml(raw) if raw != "" else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: cannot parse the value ({e})") from None
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def load_train_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            data = parse_yaml(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: malformed YAML ({e})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for item in overrides:
+        apply_override(data, item)
+    try:
+        return from_dict(TrainConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def config_help(cls=TrainConfig, where: str = "") -> list[str]:
+    lines = []
+    for fl in fields(cls):
+        kind = typing.get_type_hints(cls)[fl.name]
+        if is_dataclass(kind):
+            lines += config_help(kind, f"{where}{fl.name}.")
+        else:
+            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
+            lines.append(f"{where}{fl.name} = {default!r}    {fl.metadata.get('help', '')}")
+    return lines

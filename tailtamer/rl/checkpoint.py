@@ -1,0 +1,67 @@
+"""Run checkpoints: policy (HF model dir), optimizer, scheduler and trainer state.
+
+A checkpoint is written into a temporary directory and renamed into place, then the
+`latest` pointer is replaced atomically: a run killed at any moment (SIGKILL included) leaves
+the previous checkpoint valid and `latest` pointing at a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tailtamer.atomic import atomic_write_json, atomic_write_text
+from tailtamer.errors import CheckpointError
+from tailtamer.model.io import load_model, save_model
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict,
+                    keep: int = 2) -> Path:
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        save_model(model, tmp)
+        tokenizer.save(tmp)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        atomic_write_json(tmp / "state.json", {**state, "step": step})
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(root / "latest", final.name + "\n")
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        raise CheckpointError(f"{run_dir}: no checkpoint to resume from (checkpoints/latest is missing)")
+    path = run_dir / "checkpoints" / pointer.read_text().strip()
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"{path}: checkpoint is incomplete (no state.json)")
+    return path
+
+
+def load_checkpoint(path: Path, optimizer_factory, dtype="float32"):
+    """(model, optimizer, scheduler, state) from a checkpoint directory."""
+    model = load_model(path, dtype)
+    optimizer, scheduler = optimizer_factory(model)
+    try:
+        blob = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(blob["optimizer"])
+        scheduler.load_state_dict(blob["scheduler"])
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: cannot restore the optimizer or trainer state ({e})") from None
+    return model, optimizer, scheduler, state

@@ -1,0 +1,66 @@
+"""Training config: YAML + dotted overrides, validation with the field's dotted name."""
+
+import pytest
+import yaml
+
+from tailtamer.config import TrainConfig, config_help, load_train_config, parse_yaml, to_dict
+from tailtamer.errors import ConfigError
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rl:\n  lr: 1e-5\n  advantage: rloo\nspec:\n  mode: adaptive\n  drafter: ngram\n")
+    cfg = load_train_config(path, ["rl.lr=2e-6", "rollout.group_size=4", "spec.strategies=[4_2_8, 3_3_8]",
+                                   "spec.bucket_thresholds=[1]"])
+    assert cfg.rl.lr == 2e-6 and cfg.rl.advantage == "rloo" and cfg.rollout.group_size == 4
+    assert cfg.spec.mode == "adaptive" and cfg.spec.strategies == ("4_2_8", "3_3_8")
+    assert cfg.run == TrainConfig().run
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_train_config(None, ["spec.mode=on", "spec.drafter=ngram", "rl.dynamic_sampling=true"])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    assert load_train_config(path) == cfg
+
+
+def test_yaml_1_2_scalars():
+    assert parse_yaml("a: 4_2_8\nb: 1e-6\nc: on\nd: 3\ne: true") == {"a": "4_2_8", "b": 1e-6, "c": "on", "d": 3, "e": True}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rl.lrr=1"], "unknown config field(s) rl.lrr"),
+    (["rl.lr=fast"], "rl.lr: expected float, got 'fast'"),
+    (["rl=3"], "rl: expected a section"),
+    (["rl.advantage=ppo"], "rl.advantage 'ppo' is unknown"),
+    (["rl.loss_agg=sum"], "rl.loss_agg 'sum' is unknown"),
+    (["rl.minibatches=3"], "must divide prompts_per_step x group_size"),
+    (["rl.dynamic_sampling=1"], "expected true or false"),
+    (["run.steps=0"], "run.steps must be >= 1"),
+    (["rollout.temperature=0"], "temperature must be > 0"),
+    (["spec.mode=on"], "needs a drafter"),
+    (["spec.acceptance=typical"], "refused"),
+    (["rl.lr"], "not KEY=VALUE"),
+])
+def test_bad_configs_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_train_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_train_config(tmp_path / "none.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rl: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: malformed YAML"):
+        load_train_config(bad)
+    bad.write_text("rl:\n  clip_low: 2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: rl: clip_low must be in \[0, 1\)"):
+        load_train_config(bad)
+
+
+def test_every_field_has_help():
+    lines = config_help()
+    assert any(line.startswith("rl.lr = 0.0003") for line in lines)
+    assert all(line.split("    ", 1)[1].strip() for line in lines if not line.startswith("spec."))

@@ -1,0 +1,110 @@
+"""The RL step end to end on a toy task, resume determinism (also after SIGKILL), and faults."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tailtamer.config import load_train_config
+from tailtamer.rl.trainer import response_batch, train
+
+TOY_REWARD = '''
+def odd_first_char(response, answer):
+    """1 when the response starts with a character of odd code: easy to learn, rare at first."""
+    return float(bool(response) and ord(response[0]) % 2 == 1)
+'''
+TIME_FIELDS = {"rollout_s", "train_s", "step_s"}
+
+
+@pytest.fixture
+def toy(model_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in ["ab", "cd", "ef", "gh"]))
+    reward = tmp_path / "toy_reward.py"
+    reward.write_text(TOY_REWARD)
+    return [f"run.model={model_dir}", f"data.train={data}", f"rl.reward={reward}:odd_first_char",
+            f"run.out_dir={tmp_path / 'runs'}", "rollout.prompts_per_step=4", "rollout.group_size=8",
+            "rollout.max_new_tokens=3", "run.eval_every=0", "rl.warmup=1"]
+
+
+def _rows(run_dir: Path):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rows]
+
+
+def test_grpo_raises_reward_on_a_toy_task(toy, tmp_path):
+    summary = train(load_train_config(None, toy + ["run.steps=20", "rl.lr=3e-3", "run.name=learn"]), log=lambda _: None)
+    rows = _rows(tmp_path / "runs" / "learn")
+    assert len(rows) == 20
+    first = sum(r["reward_mean"] for r in rows[:4]) / 4
+    last = sum(r["reward_mean"] for r in rows[-4:]) / 4
+    assert last > first + 0.2, (first, last)
+    assert summary["accuracy_last_steps"] > summary["accuracy_first_steps"]
+    run = tmp_path / "runs" / "learn"
+    assert (run / "config.yaml").is_file() and (run / "summary.json").is_file() and (run / "curves.png").is_file()
+    for field in ("step", "reward_mean", "accuracy", "response_len_mean", "response_len_p50", "response_len_max",
+                  "rollout_s", "train_s", "step_s", "sd_tokens_frac", "accept_len_mean", "drafter_loss",
+                  "drafter_train_s", "idle_worker_s"):
+        assert field in rows[0]
+
+
+def test_resume_repeats_an_uninterrupted_run(toy, tmp_path):
+    straight = toy + ["run.steps=4", "run.save_every=2", "rl.lr=1e-3"]
+    train(load_train_config(None, straight + ["run.name=a"]), log=lambda _: None)
+    train(load_train_config(None, toy + ["run.steps=2", "run.save_every=2", "rl.lr=1e-3", "run.name=b"]),
+          log=lambda _: None)
+    b = tmp_path / "runs" / "b"
+    # Continue b to 4 steps from its checkpoint (steps is the one field a resume may change).
+    train(load_train_config(b / "config.yaml", ["run.steps=4"]), resume=b, log=lambda _: None)
+    assert _comparable(_rows(b)) == _comparable(_rows(tmp_path / "runs" / "a"))
+
+
+def test_sigkill_mid_run_leaves_a_valid_checkpoint(toy, tmp_path):
+    args = toy + ["run.steps=60", "run.save_every=2", "rl.lr=1e-3", "run.name=killed"]
+    run = tmp_path / "runs" / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "tailtamer", "train", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").is_file() or len(_rows(run)) < 5:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert (run / "checkpoints" / latest / "model.safetensors").is_file()
+    train(load_train_config(run / "config.yaml", ["run.steps=8"]), resume=run, log=lambda _: None)
+    train(load_train_config(None, toy + ["run.steps=8", "run.save_every=2", "rl.lr=1e-3", "run.name=whole"]),
+          log=lambda _: None)
+    assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "whole"))
+
+
+def test_response_mask_marks_positions_predicting_response_tokens():
+    from types import SimpleNamespace
+
+    batch = [{"prompt_ids": [5, 6, 7]}]
+    completions = [SimpleNamespace(prompt_index=0, token_ids=[8, 9])]
+    ids, mask = response_batch(batch, completions, pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 8, 9]]
+    # logits at positions 2 and 3 predict tokens 8 and 9.
+    assert mask.tolist() == [[False, False, True, True]]
+
+
+def test_nonfinite_losses_stop_the_run_with_a_checkpoint(toy, tmp_path, monkeypatch):
+    import tailtamer.rl.grpo as grpo
+    from tailtamer.rl.trainer import TrainingError
+
+    monkeypatch.setattr(grpo, "clipped_policy_loss",
+                        lambda *a, **k: (a[0] * float("nan"), a[0] > 0))
+    with pytest.raises(TrainingError, match="non-finite losses"):
+        train(load_train_config(None, toy + ["run.steps=10", "run.name=nan", "run.max_bad_steps=2"]),
+              log=lambda _: None)
+    run = tmp_path / "runs" / "nan"
+    assert (run / "checkpoints" / "latest").is_file()
