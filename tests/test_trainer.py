@@ -46,6 +46,7 @@ def test_grpo_raises_reward_on_a_toy_task(toy, tmp_path):
     assert len(rows) == 20
     first = sum(r["reward_mean"] for r in rows[:4]) / 4
     last = sum(r["reward_mean"] for r in rows[-4:]) / 4
+    print(f"toy reward: first steps {first:.2f}, last steps {last:.2f}")
     assert last > first + 0.2, (first, last)
     assert summary["accuracy_last_steps"] > summary["accuracy_first_steps"]
     run = tmp_path / "runs" / "learn"

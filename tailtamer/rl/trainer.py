@@ -90,33 +90,43 @@ def rl_step(s: RunState) -> dict:
         keep &= torch.tensor([c.finish_reason != "length" for c in completions])
 
     # 4. Old log-probs (and the reference's): one forward; its hidden states feed the drafter.
+    #    Minibatches hold samples of similar length (trimmed to their longest), since padding
+    #    every sample to the longest response of the step would waste most of the compute.
     t_train = time.perf_counter()
     ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
     response_mask &= keep[:, None]
+    seq_len = response_mask.shape[1] - response_mask.flip(1).int().argmax(1) + 1
+    by_length = torch.argsort(seq_len, stable=True)
+    minibatches = []
+    for mb in by_length.chunk(rl.minibatches):
+        width = int(seq_len[mb].max())
+        minibatches.append((mb, ids[mb, :width], response_mask[mb, : width - 1]))
+    old_logps, ref_logps, hiddens = [], [], []
     with torch.no_grad():
-        logits, hidden = s.model(ids)
-        old_logp = grpo.token_log_probs(logits[:, :-1], ids[:, 1:], roll.temperature)
-        ref_logp = None
-        if s.ref_model is not None:
-            ref_logp = grpo.token_log_probs(s.ref_model(ids)[0][:, :-1], ids[:, 1:], roll.temperature)
+        for _, mb_ids, _ in minibatches:
+            logits, hidden = s.model(mb_ids)
+            old_logps.append(grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], roll.temperature))
+            hiddens.append(hidden)
+            if s.ref_model is not None:
+                ref_logps.append(grpo.token_log_probs(s.ref_model(mb_ids)[0][:, :-1], mb_ids[:, 1:], roll.temperature))
     del logits
 
     # 5. Policy update: ppo_epochs passes of `minibatches` optimizer steps.
     s.model.train()
     losses, kls, entropies, clip_fracs, grad_norms = [], [], [], [], []
-    order = torch.randperm(len(completions), generator=torch.Generator().manual_seed(cfg.run.seed + s.step))
+    aggregate = grpo.AGGREGATIONS[rl.loss_agg]
+    visit = torch.randperm(len(minibatches), generator=torch.Generator().manual_seed(cfg.run.seed + s.step))
     for _ in range(rl.ppo_epochs):
-        for mb in order.chunk(rl.minibatches):
-            mask = response_mask[mb]
+        for k in visit.tolist():
+            mb, mb_ids, mask = minibatches[k]
             if not mask.any():
                 continue
-            logits, _ = s.model(ids[mb])
-            logp = grpo.token_log_probs(logits[:, :-1], ids[mb, 1:], roll.temperature)
-            per_token, clipped = grpo.clipped_policy_loss(logp, old_logp[mb], advantages[mb], rl.clip_low, rl.clip_high)
-            aggregate = grpo.AGGREGATIONS[rl.loss_agg]
+            logits, _ = s.model(mb_ids)
+            logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], roll.temperature)
+            per_token, clipped = grpo.clipped_policy_loss(logp, old_logps[k], advantages[mb], rl.clip_low, rl.clip_high)
             loss = aggregate(per_token, mask, roll.max_new_tokens)
-            if ref_logp is not None:
-                kl = aggregate(grpo.KL_ESTIMATORS[rl.kl_estimator](logp, ref_logp[mb]), mask, roll.max_new_tokens)
+            if s.ref_model is not None:
+                kl = aggregate(grpo.KL_ESTIMATORS[rl.kl_estimator](logp, ref_logps[k]), mask, roll.max_new_tokens)
                 loss = loss + rl.kl_coef * kl
                 kls.append(kl.item())
             if rl.entropy_coef:
@@ -140,7 +150,7 @@ def rl_step(s: RunState) -> dict:
 
     # 6. Drafter hook: training on idle workers arrives with the spot trainer (no-op for now).
     drafter_loss, drafter_train_s = None, 0.0
-    del hidden
+    del hiddens
 
     # 7. Weight sync: the engine runs this very module; record what it will run next.
     weights = weights_checksum(s.model)
