@@ -39,6 +39,12 @@ def parse_yaml(text: str):
     return yaml.load(text, Loader=_YAML12Loader)
 
 
+def at_least(section, name: str, minimum: int, *fields_: str) -> None:
+    for fl in fields_:
+        if getattr(section, fl) < minimum:
+            raise ConfigError(f"{name}.{fl} must be >= {minimum}, got {getattr(section, fl)}")
+
+
 def f(default, help: str):
     """A field with its help text (shown by `tailtamer train --help-config`)."""
     if isinstance(default, (list, dict)):
@@ -58,12 +64,8 @@ class RunConfig:
     max_bad_steps: int = f(3, "stop (with a checkpoint) after this many NaN/inf losses in a row")
 
     def __post_init__(self):
-        for name in ("steps",):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "save_every", "max_bad_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"run.{name} must be >= 0, got {getattr(self, name)}")
+        at_least(self, "run", 1, "steps")
+        at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps")
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ class DataConfig:
     n_builtin: int = f(4096, "built-in training problems")
     n_eval: int = f(64, "held-out prompts used per evaluation")
     max_prompt_tokens: int = f(256, "longer prompts are skipped (and counted), never truncated")
+
+    def __post_init__(self):
+        at_least(self, "data", 1, "n_builtin", "max_prompt_tokens")
+        at_least(self, "data", 0, "n_eval")
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,7 @@ class RolloutConfig:
     max_batch_size: int = f(512, "requests decoded together")
 
     def __post_init__(self):
-        if self.prompts_per_step < 1 or self.group_size < 1:
-            raise ConfigError("rollout.prompts_per_step and rollout.group_size must be >= 1")
+        at_least(self, "rollout", 1, "prompts_per_step", "group_size", "max_new_tokens", "max_batch_size")
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature must be > 0 for RL, got {self.temperature}")
 
