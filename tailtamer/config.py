@@ -100,7 +100,7 @@ class RolloutConfig:
 class RLConfig:
     advantage: str = f("grpo", f"advantage estimator: {', '.join(ADVANTAGES)}")
     loss_agg: str = f("token-mean", f"loss aggregation: {', '.join(AGGREGATIONS)}")
-    lr: float = f(3e-4, "AdamW learning rate (constant after warm-up)")
+    lr: float = f(1e-4, "AdamW learning rate (constant after warm-up); higher degrades the tiny base model (README)")
     warmup: int = f(3, "linear warm-up steps")
     weight_decay: float = f(0.0, "AdamW weight decay")
     clip_low: float = f(0.2, "PPO clip ε_low")

@@ -62,5 +62,5 @@ def test_bad_files(tmp_path):
 
 def test_every_field_has_help():
     lines = config_help()
-    assert any(line.startswith("rl.lr = 0.0003") for line in lines)
+    assert any(line.startswith("rl.lr = 0.0001") for line in lines)
     assert all(line.split("    ", 1)[1].strip() for line in lines if not line.startswith("spec."))
