@@ -60,6 +60,18 @@ def test_greedy_is_identical_with_random_and_trained_drafters(target, trained_dr
         assert stats.sd_steps > 0
 
 
+def test_requests_admitted_mid_speculation_catch_up_without_overflow(target):
+    """A long prompt admitted while another request is near its end: the drafter catch-up pads
+    the batch to the new prompt's length (regression: this overflowed the drafter cache)."""
+    prompts = [[7] * 3, [8] * 40, [9] * 45, [10] * 50, [11] * 4]
+    params = SamplingParams(temperature=0, max_new_tokens=200)
+    config = EngineConfig(max_batch_size=2, max_seq_len=64)
+    plain, _ = Engine(target, config=config, eos_ids=()).generate(prompts, params)
+    spec, _ = Engine(target, config=config, eos_ids=(), proposer=EagleProposer(init_drafter(target, std=0.2)),
+                     strategy=Strategy.parse("3_2_6")).generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+
+
 def test_trained_drafter_accepts_more_than_random(target, trained_drafter):
     params = SamplingParams(temperature=0, max_new_tokens=40)
     prompts = TRAIN_PROMPTS[:6]  # a random target is only predictable where the drafter has seen it

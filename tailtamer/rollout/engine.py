@@ -194,7 +194,9 @@ class Engine:
             strategies = self.tuner.strategies
             verify = max(st.verify for st in strategies)
             draft_rows = max((st.depth - 1) * st.topk for st in strategies)
-            self.proposer.reserve(slots, longest + max(verify, draft_rows) + 1)
+            # Draft extend right-pads every request to the longest catch-up in the batch (a
+            # late-admitted request's whole prompt), so rows can reach twice the longest request.
+            self.proposer.reserve(slots, 2 * longest + max(verify, draft_rows) + 1)
             if hasattr(self.proposer, "register"):
                 self.proposer.register(requests)
             longest += verify
