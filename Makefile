@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine:
-#   make demo   the main job on the built-in default (creates .venv on first use)
+#   make demo   the main job, `tailtamer train` on the built-in default (creates .venv on first use)
 #   make test   the test suite (CPU, a few minutes)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 demo: venv
-	$(BIN)/tailtamer demo
+	$(BIN)/tailtamer train
 
 test: venv
 	$(BIN)/python -m pytest

@@ -1,4 +1,4 @@
-"""`tailtamer` command line: demo, generate, sft, init-model, task, bench.
+"""`tailtamer` command line: train, generate, sft, drafter, init-model, task, demo, bench.
 
 Bad input ends with a one-line `error: ...` naming the file, field or row, and exit code 2.
 """
@@ -29,7 +29,7 @@ def cmd_train(args) -> None:
             raise TailtamerError("--resume takes its config from the run directory; give only key=value overrides")
         path = resume / "config.yaml"
     cfg = load_train_config(path, items)
-    summary = train(cfg, resume)
+    summary = train(cfg, resume, console=None if sys.stderr.isatty() else print)
     print(json.dumps(summary, indent=2))
 
 
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_task)
 
-    d = sub.add_parser("demo", help="the main job on the built-in default: base model + long-tail rollout")
+    d = sub.add_parser("demo", help="one long-tail rollout of the built-in base model (the RL job is `tailtamer train`)")
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--prompts", type=int, default=64)
     d.add_argument("--n", type=int, default=8)

@@ -8,12 +8,14 @@ import dataclasses
 import re
 import types
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tailtamer.config_fields import at_least, f
+from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError
 from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
 from tailtamer.rollout.speculative import SpecConfig
@@ -39,19 +41,6 @@ def parse_yaml(text: str):
     return yaml.load(text, Loader=_YAML12Loader)
 
 
-def at_least(section, name: str, minimum: int, *fields_: str) -> None:
-    for fl in fields_:
-        if getattr(section, fl) < minimum:
-            raise ConfigError(f"{name}.{fl} must be >= {minimum}, got {getattr(section, fl)}")
-
-
-def f(default, help: str):
-    """A field with its help text (shown by `tailtamer train --help-config`)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
 class RunConfig:
     name: str = f("default", "run directory name under out_dir")
@@ -62,6 +51,7 @@ class RunConfig:
     save_every: int = f(10, "checkpoint every N steps (atomic; 0 = only at the end)")
     seed: int = f(0, "seeds data order, sampling and initialisation")
     max_bad_steps: int = f(3, "stop (with a checkpoint) after this many NaN/inf losses in a row")
+    loggers: tuple[str, ...] = f((), "extra loggers besides metrics.jsonl: tensorboard, wandb (offline unless WANDB_MODE)")
 
     def __post_init__(self):
         at_least(self, "run", 1, "steps")
@@ -109,7 +99,8 @@ class RLConfig:
     kl_estimator: str = f("k3", f"KL estimator: {', '.join(KL_ESTIMATORS)}")
     entropy_coef: float = f(0.0, "entropy bonus coefficient")
     ppo_epochs: int = f(1, "passes over each rollout")
-    minibatches: int = f(2, "optimizer steps per pass")
+    minibatches: int = f(2, "optimizer steps per pass (random subsets of the step's samples)")
+    micro_batch_size: int = f(32, "samples per forward; a minibatch accumulates gradients over its micro-batches")
     grad_clip: float = f(1.0, "gradient norm clip")
     dynamic_sampling: bool = f(False, "drop groups whose rewards all agree (DAPO)")
     overlong: str = f("none", "truncated responses: none, mask (no loss), or penalty (DAPO soft punishment)")
@@ -123,8 +114,9 @@ class RLConfig:
                 raise ConfigError(f"rl.{name} {getattr(self, name)!r} is unknown; choose one of {sorted(registry)}")
         if self.overlong not in ("none", "mask", "penalty"):
             raise ConfigError(f"rl.overlong must be none, mask or penalty, got {self.overlong!r}")
-        if not self.lr > 0 or self.kl_coef < 0 or self.ppo_epochs < 1 or self.minibatches < 1:
-            raise ConfigError("rl: need lr > 0, kl_coef >= 0, ppo_epochs >= 1 and minibatches >= 1")
+        if not self.lr > 0 or self.kl_coef < 0:
+            raise ConfigError(f"rl: need lr > 0 and kl_coef >= 0, got {self.lr}, {self.kl_coef}")
+        at_least(self, "rl", 1, "ppo_epochs", "minibatches", "micro_batch_size")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
             raise ConfigError(f"rl: clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
 
@@ -136,6 +128,7 @@ class TrainConfig:
     rollout: RolloutConfig = f(RolloutConfig(), "rollout")
     rl: RLConfig = f(RLConfig(), "rl")
     spec: SpecConfig = f(SpecConfig(), "speculative decoding in the rollout")
+    drafter: SpotConfig = f(SpotConfig(), "adaptive drafter: online training on idle time")
 
     def __post_init__(self):
         if self.rollout.prompts_per_step * self.rollout.group_size % self.rl.minibatches:

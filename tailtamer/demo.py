@@ -1,4 +1,4 @@
-"""The main job until the RL trainer lands: a long-tail rollout of the built-in base model.
+"""`tailtamer demo`: one long-tail rollout of the built-in base model, and where its time goes.
 
 It trains (or reuses) the base model, samples n responses for held-out problems at
 temperature 1, and reports accuracy, the response-length distribution, and how much of the

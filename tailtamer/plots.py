@@ -51,3 +51,34 @@ def plot_rollout_timeline(timeline: list, path: str | Path, title: str = "rollou
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def plot_rl_curves(history: list[dict], path: str | Path, eval_at_start: float | None = None) -> Path:
+    """Reward and accuracy per RL step (held-out greedy accuracy as dots) beside the response
+    length distribution of every step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] + 1 for r in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5), dpi=110)
+    a.plot(steps, [r["reward_mean"] for r in history], label="reward (train samples)")
+    a.plot(steps, [r["accuracy"] for r in history], label="accuracy (train samples)")
+    held_out = [(r["step"] + 1, r["eval_accuracy"]) for r in history if "eval_accuracy" in r]
+    if eval_at_start is not None:
+        held_out.insert(0, (0, eval_at_start))
+    if held_out:
+        a.plot(*zip(*held_out), "o-", label="greedy accuracy (held out)")
+    a.set_xlabel("step")
+    a.legend(fontsize=8)
+    b.boxplot([r["lengths"] for r in history], positions=steps, widths=0.6, showfliers=True)
+    every = max(1, len(steps) // 10)
+    b.set_xticks(steps[::every], [str(x) for x in steps[::every]])
+    b.set_xlabel("step")
+    b.set_ylabel("response length (tokens)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -54,9 +54,12 @@ def test_on_policy_gradient_is_the_advantage_weighted_score():
 def test_aggregations_by_hand():
     loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
-    assert AGGREGATIONS["token-mean"](loss, mask).item() == pytest.approx(10 / 4)
-    assert AGGREGATIONS["seq-mean-token-mean"](loss, mask).item() == pytest.approx((2 + 4) / 2)
-    assert AGGREGATIONS["seq-mean-token-sum-norm"](loss, mask, max_len=8).item() == pytest.approx((6 / 8 + 4 / 8) / 2)
+    def agg(name, **kw):
+        return (loss * AGGREGATIONS[name](mask, **kw)).sum().item()
+
+    assert agg("token-mean") == pytest.approx(10 / 4)
+    assert agg("seq-mean-token-mean") == pytest.approx((2 + 4) / 2)
+    assert agg("seq-mean-token-sum-norm", max_len=8) == pytest.approx((6 / 8 + 4 / 8) / 2)
 
 
 def test_kl_estimators():

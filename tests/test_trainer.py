@@ -109,3 +109,69 @@ def test_nonfinite_losses_stop_the_run_with_a_checkpoint(toy, tmp_path, monkeypa
               log=lambda _: None)
     run = tmp_path / "runs" / "nan"
     assert (run / "checkpoints" / "latest").is_file()
+
+
+def test_micro_batching_does_not_change_the_update(toy, tmp_path):
+    """Gradient accumulation over micro-batches gives the update of one big forward, for every
+    loss aggregation (the token weights are computed over the whole minibatch)."""
+    import torch
+
+    from tailtamer.rl.trainer import rl_step, setup
+
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        grads = []
+        for micro in (1, 3, 32):
+            cfg = load_train_config(None, toy + ["rl.minibatches=1", f"rl.micro_batch_size={micro}", "rl.lr=1e-2",
+                                                 f"rl.loss_agg={agg}", "rollout.max_new_tokens=6"])
+            s = setup(cfg, log=lambda _: None)
+            rl_step(s)
+            # One minibatch: .grad still holds the step's accumulated (clipped) gradient.
+            grads.append(torch.cat([p.grad.flatten() for p in s.model.parameters()]))
+        assert grads[0].abs().max() > 1e-4, agg
+        for g in grads[1:]:
+            assert torch.allclose(g, grads[0], rtol=1e-4, atol=1e-7), agg
+
+
+def test_tensorboard_logger_without_the_package_is_a_startup_error(toy, monkeypatch):
+    import importlib.util
+
+    from tailtamer.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match="run.loggers.*pip install tensorboard"):
+        train(load_train_config(None, toy + ["run.loggers=[tensorboard]"]), log=lambda _: None)
+    with pytest.raises(ConfigError, match="unknown logger 'mlflow'"):
+        train(load_train_config(None, toy + ["run.loggers=[mlflow]"]), log=lambda _: None)
+
+
+def test_adaptive_drafter_trains_in_the_window_and_is_checkpointed(toy, model_dir, tmp_path):
+    from tailtamer.model.drafter import init_drafter, load_drafter, save_drafter, weights_checksum
+    from tailtamer.model.io import load_model
+
+    drafter_dir = tmp_path / "drafter"
+    save_drafter(init_drafter(load_model(model_dir), seed=3), drafter_dir)
+    start_sha = weights_checksum(load_drafter(drafter_dir, load_model(model_dir)))
+    cfg = load_train_config(None, toy + ["run.steps=3", "run.name=spot", "run.save_every=3", "spec.mode=on",
+                                         f"spec.drafter={drafter_dir}", "spec.strategy=2_1_3",
+                                         "drafter.window_s=0.5", "drafter.max_steps=3", "drafter.tokens_per_step=64"])
+    train(cfg, log=lambda _: None, console=lambda _: None)
+    rows = _rows(tmp_path / "runs" / "spot")
+    assert all(r["drafter_steps"] == 3 and r["drafter_loss"] > 0 for r in rows)
+    shas = [r["drafter_sha"] for r in rows]
+    assert len({start_sha, *shas}) == 4  # a new drafter after every step, and the engine ran it (checked)
+    saved = tmp_path / "runs" / "spot" / "checkpoints" / "step-000003" / "drafter"
+    assert weights_checksum(load_drafter(saved, load_model(saved.parent))) == shas[-1]
+
+
+def test_drafter_window_never_leaves_the_drafter_as_it_was(toy, model_dir, tmp_path):
+    from tailtamer.model.drafter import init_drafter, save_drafter
+    from tailtamer.model.io import load_model
+
+    drafter_dir = tmp_path / "drafter"
+    save_drafter(init_drafter(load_model(model_dir), seed=3), drafter_dir)
+    cfg = load_train_config(None, toy + ["run.steps=2", "run.name=never", "spec.mode=on", f"spec.drafter={drafter_dir}",
+                                         "spec.strategy=2_1_3", "drafter.single_worker=never"])
+    train(cfg, log=lambda _: None, console=lambda _: None)
+    rows = _rows(tmp_path / "runs" / "never")
+    assert [r["drafter_steps"] for r in rows] == [0, 0] and rows[0]["drafter_sha"] == rows[1]["drafter_sha"]

@@ -71,6 +71,23 @@ def eagle_loss(pred_hidden, pred_logits, target_hidden, target_logits, mask,
     return value_weight * vloss + prob_weight * ploss, vloss, ploss
 
 
+def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """Concatenate variable-length pair sequences (tokens_in, hidden_in, hidden_target, mask)
+    into one row with no padding (TLT §2.2, sequence packing). Attention stays inside each
+    sample (block-diagonal causal mask) and positions restart at 0 per sample, so a packed
+    sample sees exactly what it would see alone.
+
+    Returns tokens (1, N), hidden_in (1, N, H), hidden_target (1, N, H), mask (1, N),
+    positions (1, N), attn_mask (1, N, N)."""
+    lengths = [len(x[0]) for x in samples]
+    segment = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    index = torch.arange(len(segment))
+    attn = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])
+    cat = [torch.cat([x[i] for x in samples])[None] for i in range(4)]
+    return (*cat, positions[None], attn[None])
+
+
 @torch.no_grad()
 def top1_accuracy(pred_logits, target_logits, mask) -> float:
     hit = (pred_logits.argmax(-1) == target_logits.argmax(-1)) & mask

@@ -93,15 +93,25 @@ def init_drafter(target: Transformer, seed: int = 0, std: float = 0.02) -> Draft
     return drafter.to(target.dtype)
 
 
-def save_drafter(drafter: Drafter, out_dir: str | Path) -> None:
+def drafter_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """A float32 CPU copy of the drafter's own (trainable) tensors: never the shared ones."""
+    tensors = {k: v.detach().to("cpu", torch.float32, copy=True).contiguous() for k, v in drafter.state_dict().items()}
+    assert not any(k.startswith(SHARED_PREFIXES) for k in tensors)  # shared by reference only
+    return tensors
+
+
+def write_drafter(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path) -> None:
+    """Write a drafter directory from `drafter_tensors` (safe in a background thread)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in drafter.state_dict().items()}
-    assert not any(k.startswith(SHARED_PREFIXES) for k in tensors)  # shared by reference only
     atomic_write(out_dir / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    hf = drafter.config.to_hf()
-    hf["architectures"] = [EAGLE_ARCHITECTURES[drafter.config.architecture]]
+    hf = cfg.to_hf()
+    hf["architectures"] = [EAGLE_ARCHITECTURES[cfg.architecture]]
     atomic_write_json(out_dir / "config.json", hf)
+
+
+def save_drafter(drafter: Drafter, out_dir: str | Path) -> None:
+    write_drafter(drafter_tensors(drafter), drafter.config, out_dir)
 
 
 def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:

@@ -21,7 +21,9 @@ from tailtamer.model.io import load_model, save_model
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, extra=None) -> Path:
+    """`extra(tmp_dir)` writes more parts (e.g. the drafter) into the checkpoint before it is
+    renamed into place."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -30,6 +32,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
         save_model(model, tmp)
         tokenizer.save(tmp)
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        if extra is not None:
+            extra(tmp)
         atomic_write_json(tmp / "state.json", {**state, "step": step})
         if final.exists():
             shutil.rmtree(final)

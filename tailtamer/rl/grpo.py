@@ -56,25 +56,29 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     return -torch.minimum(unclipped, clipped), (clipped < unclipped)
 
 
-# --- loss aggregation ---------------------------------------------------------------------------
+# --- loss aggregation: token weights w with loss = Σ ℓ·w ------------------------------------------
+# Weights are computed over a whole optimizer minibatch, so summing Σ ℓ·w over its micro-batches
+# (gradient accumulation) gives exactly the minibatch's aggregate.
 
 
-def token_mean(loss: torch.Tensor, mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-    """Σ ℓ·m / Σ m over the whole batch: every token weighs the same (DAPO)."""
-    return (loss * mask).sum() / mask.sum().clamp(min=1)
+def token_mean(mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """w = m / Σ m over the whole batch: every token weighs the same (DAPO)."""
+    m = mask.float()
+    return m / m.sum().clamp(min=1)
 
 
-def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-    """mean over sequences of (Σ_t ℓ·m / Σ_t m): every sequence weighs the same (original GRPO)."""
-    per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_seq[mask.any(-1)].mean() if mask.any() else per_seq.sum() * 0
+def seq_mean_token_mean(mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """w = m / (Σ_t m · S) with S the sequences that have tokens: every sequence weighs the
+    same (original GRPO)."""
+    m = mask.float()
+    per_seq = m.sum(-1, keepdim=True)
+    return m / per_seq.clamp(min=1) / mask.any(-1).sum().clamp(min=1)
 
 
-def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-    """mean over sequences of Σ_t ℓ·m / L with a constant L (the max response length): no
-    length bias (Dr. GRPO)."""
-    length = max_len or loss.shape[-1]
-    return ((loss * mask).sum(-1) / length).mean()
+def seq_mean_token_sum_norm(mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """w = m / (L · S) with a constant L (the max response length) and S the sequences that
+    have tokens: no length bias (Dr. GRPO)."""
+    return mask.float() / ((max_len or mask.shape[-1]) * mask.any(-1).sum().clamp(min=1))
 
 
 AGGREGATIONS: dict[str, Callable] = {

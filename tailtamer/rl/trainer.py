@@ -25,16 +25,20 @@ import yaml
 from tailtamer.atomic import atomic_write_json, atomic_write_text
 from tailtamer.config import TrainConfig, to_dict
 from tailtamer.errors import TailtamerError
-from tailtamer.model.drafter import weights_checksum
+from tailtamer.metrics import RunLog, check_loggers, run_summary
+from tailtamer.drafter.buffer import DataBuffer
+from tailtamer.drafter.spot import SpotTrainer
+from tailtamer.model.drafter import load_drafter, save_drafter, weights_checksum
 from tailtamer.model.io import load_model
 from tailtamer.model.tokenizer import load_tokenizer
+from tailtamer.plots import plot_rl_curves
 from tailtamer.rl import grpo
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tailtamer.rl.data import load_task_rows
 from tailtamer.rl.rewards import RewardScorer, resolve_reward
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
-from tailtamer.rollout.speculative import make_speculator
+from tailtamer.rollout.speculative import EagleProposer, make_speculator
 
 
 class TrainingError(TailtamerError):
@@ -54,6 +58,7 @@ class RunState:
     train_rows: list[dict]
     eval_rows: list[dict]
     ref_model: torch.nn.Module | None = None
+    spot: SpotTrainer | None = None  # the adaptive drafter's trainer, when the engine drafts with EAGLE
     step: int = 0
     bad_steps: int = 0
     skipped_prompts: int = 0
@@ -90,70 +95,78 @@ def rl_step(s: RunState) -> dict:
         keep &= torch.tensor([c.finish_reason != "length" for c in completions])
 
     # 4. Old log-probs (and the reference's): one forward; its hidden states feed the drafter.
-    #    Minibatches hold samples of similar length (trimmed to their longest), since padding
-    #    every sample to the longest response of the step would waste most of the compute.
     t_train = time.perf_counter()
     ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
     response_mask &= keep[:, None]
-    seq_len = response_mask.shape[1] - response_mask.flip(1).int().argmax(1) + 1
-    by_length = torch.argsort(seq_len, stable=True)
-    minibatches = []
-    for mb in by_length.chunk(rl.minibatches):
-        width = int(seq_len[mb].max())
-        minibatches.append((mb, ids[mb, :width], response_mask[mb, : width - 1]))
-    old_logps, ref_logps, hiddens = [], [], []
+    plan = update_plan(response_mask, rl.minibatches, rl.micro_batch_size, roll.max_new_tokens,
+                       grpo.AGGREGATIONS[rl.loss_agg], torch.Generator().manual_seed(cfg.run.seed + s.step))
+    old_logps, ref_logps = {}, {}
     with torch.no_grad():
-        for _, mb_ids, _ in minibatches:
+        for micro in (m for minibatch in plan for m in minibatch):
+            mb_ids = ids[micro.rows, : micro.width]
             logits, hidden = s.model(mb_ids)
-            old_logps.append(grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], roll.temperature))
-            hiddens.append(hidden)
+            if s.spot is not None:
+                s.spot.buffer.add_batch(s.step, mb_ids, hidden, response_mask[micro.rows, : micro.width - 1])
+            old_logps[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], roll.temperature)
             if s.ref_model is not None:
-                ref_logps.append(grpo.token_log_probs(s.ref_model(mb_ids)[0][:, :-1], mb_ids[:, 1:], roll.temperature))
+                ref_logits = s.ref_model(mb_ids)[0][:, :-1]
+                ref_logps[micro.key] = grpo.token_log_probs(ref_logits, mb_ids[:, 1:], roll.temperature)
     del logits
 
-    # 5. Policy update: ppo_epochs passes of `minibatches` optimizer steps.
+    # 5. Policy update: ppo_epochs passes, one optimizer step per minibatch, gradients
+    #    accumulated over its micro-batches (the token weights make the sum exact).
     s.model.train()
     losses, kls, entropies, clip_fracs, grad_norms = [], [], [], [], []
-    aggregate = grpo.AGGREGATIONS[rl.loss_agg]
-    visit = torch.randperm(len(minibatches), generator=torch.Generator().manual_seed(cfg.run.seed + s.step))
     for _ in range(rl.ppo_epochs):
-        for k in visit.tolist():
-            mb, mb_ids, mask = minibatches[k]
-            if not mask.any():
+        for minibatch in plan:
+            if not any(m.weights.any() for m in minibatch):
                 continue
-            logits, _ = s.model(mb_ids)
-            logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], roll.temperature)
-            per_token, clipped = grpo.clipped_policy_loss(logp, old_logps[k], advantages[mb], rl.clip_low, rl.clip_high)
-            loss = aggregate(per_token, mask, roll.max_new_tokens)
-            if s.ref_model is not None:
-                kl = aggregate(grpo.KL_ESTIMATORS[rl.kl_estimator](logp, ref_logps[k]), mask, roll.max_new_tokens)
-                loss = loss + rl.kl_coef * kl
-                kls.append(kl.item())
-            if rl.entropy_coef:
-                entropy = aggregate(grpo.token_entropy(logits[:, :-1]), mask, roll.max_new_tokens)
-                loss = loss - rl.entropy_coef * entropy
-                entropies.append(entropy.item())
             s.optimizer.zero_grad(set_to_none=True)
-            if not torch.isfinite(loss):
+            totals = torch.zeros(4)  # loss, kl, entropy, clipped weight
+            for micro in minibatch:
+                mb_ids = ids[micro.rows, : micro.width]
+                logits, _ = s.model(mb_ids)
+                logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], roll.temperature)
+                per_token, clipped = grpo.clipped_policy_loss(logp, old_logps[micro.key], advantages[micro.rows],
+                                                              rl.clip_low, rl.clip_high)
+                loss = (per_token * micro.weights).sum()
+                kl = entropy = torch.zeros(())
+                if s.ref_model is not None:
+                    kl = (grpo.KL_ESTIMATORS[rl.kl_estimator](logp, ref_logps[micro.key]) * micro.weights).sum()
+                    loss = loss + rl.kl_coef * kl
+                if rl.entropy_coef:
+                    entropy = (grpo.token_entropy(logits[:, :-1]) * micro.weights).sum()
+                    loss = loss - rl.entropy_coef * entropy
+                loss.backward()
+                totals += torch.stack([loss.detach(), kl.detach(), entropy.detach(),
+                                       (clipped * micro.weights).sum().detach()])
+            if not torch.isfinite(totals[0]):
                 s.bad_steps += 1
                 continue  # skip the update, keep the weights
-            loss.backward()
             grad_norms.append(torch.nn.utils.clip_grad_norm_(s.model.parameters(), rl.grad_clip).item())
             s.optimizer.step()
             s.scheduler.step()
-            losses.append(loss.item())
-            clip_fracs.append((clipped & mask).sum().item() / mask.sum().item())
+            losses.append(totals[0].item())
+            kls.append(totals[1].item())
+            entropies.append(totals[2].item())
+            clip_fracs.append(totals[3].item() / max(1e-12, sum(m.weights.sum().item() for m in minibatch)))
     if losses:
         s.bad_steps = 0
     s.model.eval()
     train_s = time.perf_counter() - t_train
 
-    # 6. Drafter hook: training on idle workers arrives with the spot trainer (no-op for now).
-    drafter_loss, drafter_train_s = None, 0.0
-    del hiddens
+    # 6. Drafter: with one worker, spot training runs in a bounded window after the update.
+    drafter = {"steps": 0, "seconds": 0.0, "loss": None}
+    if s.spot is not None and cfg.drafter.single_worker == "window":
+        drafter = s.spot.train(lambda: False, deadline=time.perf_counter() + cfg.drafter.window_s)
 
-    # 7. Weight sync: the engine runs this very module; record what it will run next.
+    # 7. Weight sync: the engine runs these very modules; check and record what it runs next.
     weights = weights_checksum(s.model)
+    drafter_sha = None
+    if s.spot is not None:
+        drafter_sha = weights_checksum(s.spot.drafter)
+        if weights_checksum(s.engine.proposer.drafter) != drafter_sha:
+            raise TrainingError("the engine's drafter differs from the trained one (stale drafter)")
 
     # 8. Metrics.
     summary = rollout.summary()
@@ -172,12 +185,15 @@ def rl_step(s: RunState) -> dict:
         "step_s": time.perf_counter() - t_step,
         "sd_tokens_frac": sd_tokens / max(1, summary["tokens"]),
         "accept_len_mean": summary["accept_len_mean"],
-        "drafter_loss": drafter_loss,
-        "drafter_train_s": drafter_train_s,
+        "drafter_loss": drafter["loss"],
+        "drafter_train_s": drafter["seconds"],
+        "drafter_steps": drafter["steps"],
+        "drafter_buffer_dropped": s.spot.buffer.dropped if s.spot is not None else 0,
+        "drafter_sha": drafter_sha,
         "idle_worker_s": 0.0,
         "loss": statistics.mean(losses) if losses else None,
-        "kl": statistics.mean(kls) if kls else None,
-        "entropy": statistics.mean(entropies) if entropies else None,
+        "kl": statistics.mean(kls) if kls and s.ref_model is not None else None,
+        "entropy": statistics.mean(entropies) if entropies and rl.entropy_coef else None,
         "clip_frac": statistics.mean(clip_fracs) if clip_fracs else 0.0,
         "grad_norm": statistics.mean(grad_norms) if grad_norms else None,
         "lr": s.scheduler.get_last_lr()[0],
@@ -187,6 +203,34 @@ def rl_step(s: RunState) -> dict:
         "weights_sha": weights,
         "lengths": [int(x) for x in resp],
     }
+
+
+@dataclass
+class MicroBatch:
+    key: int
+    rows: torch.Tensor  # sample indices
+    width: int  # ids[:, :width] holds every token these samples need
+    weights: torch.Tensor  # (len(rows), width - 1) aggregation weights of their response tokens
+
+
+def update_plan(response_mask: torch.Tensor, minibatches: int, micro_batch_size: int, max_len: int,
+                aggregation, generator: torch.Generator) -> list[list[MicroBatch]]:
+    """Random minibatches (one optimizer step each), each cut into micro-batches of samples of
+    similar length trimmed to their longest: padding every sample to the step's longest
+    response would waste most of the compute on long-tailed lengths."""
+    needed = response_mask.shape[1] - response_mask.flip(1).int().argmax(1) + 1
+    needed[~response_mask.any(1)] = 2
+    plan, key = [], 0
+    for rows in torch.randperm(len(response_mask), generator=generator).chunk(minibatches):
+        weights = aggregation(response_mask[rows], max_len)
+        rows_by_len = torch.argsort(needed[rows], stable=True)
+        micro = []
+        for part in rows_by_len.split(micro_batch_size):
+            width = int(needed[rows[part]].max())
+            micro.append(MicroBatch(key, rows[part], width, weights[part, : width - 1]))
+            key += 1
+        plan.append(micro)
+    return plan
 
 
 def response_batch(batch, completions, pad_id: int):
@@ -246,6 +290,7 @@ def _datasets(cfg: TrainConfig, tokenizer):
 
 
 def setup(cfg: TrainConfig, resume: Path | None = None, log=print) -> RunState:
+    check_loggers(cfg.run.loggers)
     run_dir = resume or Path(cfg.run.out_dir) / cfg.run.name
     model_dir = Path(cfg.run.model) if cfg.run.model else None
     if model_dir is None:
@@ -267,9 +312,13 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print) -> RunState:
     ref_model = load_model(model_dir).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                     **make_speculator(cfg.spec, model))
-    s = RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
-                 ref_model, step=state["step"], skipped_prompts=skipped)
-    return s
+    spot = None
+    if cfg.drafter.train and isinstance(engine.proposer, EagleProposer):
+        spot = SpotTrainer(engine.proposer.drafter, DataBuffer(cfg.drafter.buffer_mb << 20), cfg.drafter, cfg.run.seed)
+        if resume is not None and (checkpoint / "drafter").is_dir():
+            engine.proposer.drafter.load_state_dict(load_drafter(checkpoint / "drafter", model).state_dict())
+    return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
+                    ref_model, spot, step=state["step"], skipped_prompts=skipped)
 
 
 def _write_run_files(s: RunState) -> None:
@@ -288,87 +337,42 @@ def _keep_metrics_before(path: Path, step: int) -> list[dict]:
 
 
 def _checkpoint(s: RunState) -> None:
+    extra = None if s.spot is None else (lambda tmp: save_drafter(s.spot.drafter, tmp / "drafter"))
     save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, s.optimizer, s.scheduler,
-                    {"weights_sha": weights_checksum(s.model)})
+                    {"weights_sha": weights_checksum(s.model)}, extra=extra)
 
 
-def train(cfg: TrainConfig, resume: Path | None = None, log=print) -> dict:
+def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print) -> dict:
+    """Run (or resume) `cfg`; `console=None` shows a progress bar with the step lines above it."""
     s = setup(cfg, resume, log)
     if resume is None:
         _write_run_files(s)
-    metrics_path = s.run_dir / "metrics.jsonl"
-    s.history = _keep_metrics_before(metrics_path, s.step)
+    s.history = _keep_metrics_before(s.run_dir / "metrics.jsonl", s.step)
     if s.skipped_prompts:
         log(f"skipped {s.skipped_prompts} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     if s.step == 0 and cfg.run.eval_every:
         s.eval_at_start = evaluate_greedy(s)
     t0 = time.perf_counter()
-    with open(metrics_path, "a", encoding="utf-8") as out:
+    out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console)
+    try:
         while s.step < cfg.run.steps:
             row = rl_step(s)
             s.step += 1
             if cfg.run.eval_every and (s.step % cfg.run.eval_every == 0 or s.step == cfg.run.steps):
                 row["eval_accuracy"] = evaluate_greedy(s)
-            out.write(json.dumps(row) + "\n")
-            out.flush()
+            out.log(row)
             s.history.append(row)
-            log(_console_line(row, cfg.run.steps))
             if s.bad_steps >= cfg.run.max_bad_steps > 0:
                 _checkpoint(s)
                 raise TrainingError(f"{s.bad_steps} non-finite losses in a row at step {s.step}; "
                                     f"checkpoint saved in {s.run_dir / 'checkpoints'}")
             if (cfg.run.save_every and s.step % cfg.run.save_every == 0) or s.step == cfg.run.steps:
                 _checkpoint(s)
-    summary = _summary(s, time.perf_counter() - t0)
+    finally:
+        out.close()
+    summary = run_summary(s.history, s.eval_at_start, time.perf_counter() - t0, run_dir=str(s.run_dir),
+                          skipped_prompts=s.skipped_prompts, **s.scorer.counts())
     atomic_write_json(s.run_dir / "summary.json", summary)
-    _plots(s)
+    if s.history:
+        plot_rl_curves(s.history, s.run_dir / "curves.png", s.eval_at_start)
     return summary
-
-
-def _console_line(row: dict, steps: int) -> str:
-    extra = f"  eval {row['eval_accuracy']:.1%}" if "eval_accuracy" in row else ""
-    return (f"step {row['step'] + 1:4d}/{steps}  reward {row['reward_mean']:.3f}  acc {row['accuracy']:.1%}  "
-            f"len p50 {row['response_len_p50']:.0f} max {row['response_len_max']:.0f}  "
-            f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s{extra}")
-
-
-def _summary(s: RunState, seconds: float) -> dict:
-    h = s.history
-    evals = [r["eval_accuracy"] for r in h if "eval_accuracy" in r]
-    first = h[: max(1, len(h) // 5)]
-    last = h[-max(1, len(h) // 5):]
-    return {
-        "run_dir": str(s.run_dir), "steps": len(h), "seconds": seconds,
-        "accuracy_first_steps": statistics.mean(r["accuracy"] for r in first) if h else None,
-        "accuracy_last_steps": statistics.mean(r["accuracy"] for r in last) if h else None,
-        "eval_accuracy_start": s.eval_at_start,
-        "eval_accuracy_end": evals[-1] if evals else None,
-        "step_s_median": statistics.median(r["step_s"] for r in h) if h else None,
-        "skipped_prompts": s.skipped_prompts, **s.scorer.counts(),
-    }
-
-
-def _plots(s: RunState) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    h = s.history
-    if not h:
-        return
-    steps = [r["step"] + 1 for r in h]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5), dpi=110)
-    a.plot(steps, [r["reward_mean"] for r in h], label="reward (train samples)")
-    a.plot(steps, [r["accuracy"] for r in h], label="accuracy (train samples)")
-    ev = [(r["step"] + 1, r["eval_accuracy"]) for r in h if "eval_accuracy" in r]
-    if ev:
-        a.plot(*zip(*ev), "o-", label="greedy accuracy (held out)")
-    a.set_xlabel("step")
-    a.legend(fontsize=8)
-    b.boxplot([r["lengths"] for r in h], positions=steps, widths=0.6, showfliers=True)
-    b.set_xlabel("step")
-    b.set_ylabel("response length (tokens)")
-    fig.tight_layout()
-    fig.savefig(s.run_dir / "curves.png")
-    plt.close(fig)

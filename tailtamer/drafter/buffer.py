@@ -1,0 +1,115 @@
+"""Online DataBuffer: the target's own hidden states and tokens, kept for drafter training.
+
+Entries come from the old-log-prob forward the RL step already runs (no extra forward): one
+per response, holding the sequence's tokens and final hidden states. Drafter pairs follow the
+EAGLE alignment (see `pairs`): feature h_t with the next token x_{t+1} predicts h_{t+1}.
+
+The buffer is bounded by a byte budget; when a new entry does not fit, the oldest go first
+and are counted. Sampling is one-step-offset (TLT §2.2): a draw mixes the newest step's
+responses with the previous step's long ones, because a drafter fed only on what finishes
+first would learn short responses, and the long tail is where speculation runs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Entry:
+    step: int
+    tokens: torch.Tensor  # (L,) prompt + response ids
+    hidden: torch.Tensor  # (L, H) the target's final hidden state at every position
+    response_start: int  # index of the first response token
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.response_start
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.numel() * self.tokens.element_size() + self.hidden.numel() * self.hidden.element_size()
+
+
+def pairs(entry: Entry):
+    """EAGLE training pairs of one sequence:
+
+        input token x_{t+1} = tokens[1:]       input feature h_t = hidden[:-1]
+        target feature h_{t+1} = hidden[1:]    counted where x_{t+1} is a response token
+
+    Returns (tokens_in, hidden_in, hidden_target, mask), each of length L − 1."""
+    mask = torch.zeros(len(entry.tokens) - 1, dtype=torch.bool)
+    mask[entry.response_start - 1:] = True
+    return entry.tokens[1:], entry.hidden[:-1], entry.hidden[1:], mask
+
+
+class DataBuffer:
+    def __init__(self, max_bytes: int, dtype: torch.dtype = torch.float32):
+        if max_bytes <= 0:
+            raise ValueError(f"DataBuffer needs a positive byte budget, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.dtype = dtype
+        self.entries: deque[Entry] = deque()
+        self.nbytes = 0
+        self.dropped = 0  # entries evicted to stay within the budget
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add_batch(self, step: int, ids: torch.Tensor, hidden: torch.Tensor, response_mask: torch.Tensor) -> int:
+        """Add every sample of a (B, T) batch whose `response_mask` (B, T − 1; True where the
+        next token is a response token, as the RL step builds it) has any token. Returns the
+        number added."""
+        added = 0
+        for b in range(ids.shape[0]):
+            where = response_mask[b].nonzero()
+            if len(where) == 0:
+                continue
+            start, end = int(where[0]) + 1, int(where[-1]) + 2
+            self.add(Entry(step, ids[b, :end].clone(), hidden[b, :end].detach().to(self.dtype).clone(), start))
+            added += 1
+        return added
+
+    def add(self, entry: Entry) -> None:
+        if entry.nbytes > self.max_bytes:
+            self.dropped += 1
+            return
+        while self.entries and self.nbytes + entry.nbytes > self.max_bytes:
+            self.nbytes -= self.entries.popleft().nbytes
+            self.dropped += 1
+        self.entries.append(entry)
+        self.nbytes += entry.nbytes
+
+    def candidates(self, long_quantile: float = 0.5) -> list[Entry]:
+        """One-step-offset pool: every entry of the newest step, plus the entries of the step
+        before whose response length is at least that step's `long_quantile` quantile."""
+        if not self.entries:
+            return []
+        newest = self.entries[-1].step
+        current = [e for e in self.entries if e.step == newest]
+        previous = [e for e in self.entries if e.step == newest - 1]
+        if previous:
+            lengths = sorted(e.response_len for e in previous)
+            cut = lengths[min(len(lengths) - 1, int(long_quantile * len(lengths)))]
+            current += [e for e in previous if e.response_len >= cut]
+        return current
+
+    def sample(self, rng: random.Random, max_tokens: int, long_quantile: float = 0.5) -> list[Entry]:
+        """Entries drawn without replacement from the one-step-offset pool until `max_tokens`
+        pair positions are filled (at least one entry when the pool is not empty)."""
+        pool = self.candidates(long_quantile)
+        rng.shuffle(pool)
+        chosen, used = [], 0
+        for entry in pool:
+            size = len(entry.tokens) - 1
+            if chosen and used + size > max_tokens:
+                continue
+            chosen.append(entry)
+            used += size
+            if used >= max_tokens:
+                break
+        return chosen

@@ -1,0 +1,149 @@
+"""Spot trainer: drafter training in time the rollout leaves idle, preemptible between steps.
+
+A worker whose rollout shard is done trains the drafter on the DataBuffer until it is told to
+stop; it checks the stop signal before every drafter step, so it is preempted within one step
+and never delays the policy update. Each step packs buffer samples into one row (no padding,
+no cross-sample attention) and applies the warm-up's EAGLE loss. A selective asynchronous
+checkpoint copies only the drafter's own tensors (never the shared embedding / LM head) and
+writes them from a background thread (TLT §2.2).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tailtamer.config_fields import at_least, f
+from tailtamer.drafter.buffer import DataBuffer, pairs
+from tailtamer.drafter.train import eagle_loss, pack
+from tailtamer.errors import ConfigError
+from tailtamer.model.drafter import Drafter, drafter_tensors, write_drafter
+
+
+@dataclass(frozen=True)
+class SpotConfig:
+    train: bool = f(True, "train the EAGLE drafter online (needs spec.drafter = an EAGLE drafter directory)")
+    single_worker: str = f("window", "with one worker: never, or window (train for window_s after each rollout)")
+    window_s: float = f(2.0, "single worker: seconds of drafter training after each rollout")
+    max_steps: int = f(200, "drafter steps per RL step at most")
+    lr: float = f(5e-4, "AdamW learning rate of the drafter")
+    tokens_per_step: int = f(2048, "packed tokens per drafter step")
+    buffer_mb: int = f(256, "DataBuffer budget (MiB); the oldest entries are dropped beyond it")
+    long_quantile: float = f(0.5, "one-step offset: previous-step responses at least this length quantile")
+    checkpoint_every: int = f(50, "selective async checkpoint every N drafter steps (0 = only with the run's)")
+
+    def __post_init__(self):
+        if self.single_worker not in ("never", "window"):
+            raise ConfigError(f"drafter.single_worker must be never or window, got {self.single_worker!r}")
+        if not self.lr > 0 or self.window_s < 0 or not 0 <= self.long_quantile < 1:
+            raise ConfigError("drafter: need lr > 0, window_s >= 0 and long_quantile in [0, 1)")
+        at_least(self, "drafter", 1, "tokens_per_step", "buffer_mb")
+        at_least(self, "drafter", 0, "max_steps", "checkpoint_every")
+
+
+def acceptance_rate(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """α = Σ_x min(p(x), q(x)) = 1 − TV(p, q): the chance that exact speculative sampling
+    accepts a draft token drawn from q when the target samples from p (Leviathan et al. 2023,
+    Thm. 3.5). Per position, shape (...)."""
+    p = torch.softmax(target_logits.float() / temperature, -1)
+    q = torch.softmax(draft_logits.float() / temperature, -1)
+    return torch.minimum(p, q).sum(-1)
+
+
+def expected_accept_length(alpha: torch.Tensor, mask: torch.Tensor, depth: int) -> float:
+    """E[tokens per verify] of a depth-`depth` chain started at each masked position t, with
+    teacher-forced acceptance rates: 1 + Σ_{k=1..depth} Π_{j<k} α_{t+j}. An estimate (the
+    drafter's later steps see its own features in a real rollout) that ranks drafters on the
+    same data."""
+    alpha = alpha.float() * mask
+    total, count = 0.0, 0
+    for row, m in zip(alpha, mask):
+        valid = int(m.sum())
+        if valid == 0:
+            continue
+        a = row[m]
+        prod = torch.ones(valid)
+        acc = torch.ones(valid)
+        for k in range(depth):
+            shifted = torch.zeros(valid)
+            shifted[: valid - k] = a[k:]
+            prod = prod * shifted
+            acc = acc + prod
+        total += acc.sum().item()
+        count += valid
+    return total / max(1, count)
+
+
+class SpotTrainer:
+    def __init__(self, drafter: Drafter, buffer: DataBuffer, cfg: SpotConfig, seed: int = 0):
+        self.drafter = drafter
+        self.buffer = buffer
+        self.cfg = cfg
+        self.rng = random.Random(seed)
+        self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        self.steps = 0
+        self._writer: threading.Thread | None = None
+
+    def train(self, should_stop: Callable[[], bool], deadline: float | None = None,
+              on_step: Callable[[int], None] | None = None) -> dict:
+        """Drafter steps until `should_stop()` (checked before every step), `deadline`
+        (perf_counter seconds), `max_steps` or an empty buffer. Returns steps, seconds, mean
+        loss and the seconds from the stop signal to the return (0 when it ended otherwise)."""
+        t0 = time.perf_counter()
+        losses, stopped_at = [], None
+        while len(losses) < self.cfg.max_steps and len(self.buffer):
+            if should_stop():
+                stopped_at = time.perf_counter()
+                break
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            losses.append(self.step())
+            if on_step is not None:
+                on_step(self.steps)
+        end = time.perf_counter()
+        return {"steps": len(losses), "seconds": end - t0,
+                "loss": sum(losses) / len(losses) if losses else None,
+                "preempt_latency_s": end - stopped_at if stopped_at is not None else 0.0}
+
+    def step(self) -> float:
+        """One drafter step on a packed buffer sample."""
+        entries = self.buffer.sample(self.rng, self.cfg.tokens_per_step, self.cfg.long_quantile)
+        tokens, h_in, h_next, mask, positions, attn = pack([pairs(e) for e in entries])
+        dtype = self.drafter.fc.weight.dtype
+        target = self.drafter.target
+        flags = [p.requires_grad for p in target.parameters()]
+        target.requires_grad_(False)  # gradients reach the drafter only, never the policy
+        try:
+            pred_logits, pred_hidden = self.drafter(tokens, h_in.to(dtype), positions, attn)
+            with torch.no_grad():
+                target_logits = target.lm_head(h_next.to(dtype))
+            loss, _, _ = eagle_loss(pred_hidden, pred_logits, h_next.to(dtype), target_logits, mask)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        finally:
+            for p, flag in zip(target.parameters(), flags):
+                p.requires_grad_(flag)
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
+        self.optimizer.step()
+        self.steps += 1
+        return loss.item()
+
+    def checkpoint_async(self, out_dir: Path) -> threading.Thread:
+        """Selective asynchronous checkpoint: copy the drafter's own tensors now (the only
+        time training waits), write them in a background thread. One write at a time."""
+        self.wait()
+        tensors = drafter_tensors(self.drafter)
+        self._writer = threading.Thread(target=write_drafter, args=(tensors, self.drafter.config, out_dir), daemon=True)
+        self._writer.start()
+        return self._writer
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None

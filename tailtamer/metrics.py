@@ -1,0 +1,144 @@
+"""What a run reports: the per-step console line under a progress bar, `metrics.jsonl`, the
+optional TensorBoard / W&B loggers, and `summary.json`.
+
+Loggers form a registry (`run.loggers=[tensorboard,wandb]`); each is off unless named, and a
+missing package is a start-up error that says what to install, never a crash at step 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Callable
+
+from tailtamer.errors import ConfigError
+
+
+class JsonlLogger:
+    """One JSON row per RL step, flushed at once so a killed run keeps every finished step."""
+
+    def __init__(self, run_dir: Path, cfg_dict: dict):
+        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def log(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
+
+
+class TensorBoardLogger:
+    def __init__(self, run_dir: Path, cfg_dict: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, row: dict) -> None:
+        for key, value in _scalars(row).items():
+            self.writer.add_scalar(key, value, row["step"] + 1)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """Offline by default (no account needed); `WANDB_MODE=online` syncs as usual."""
+
+    def __init__(self, run_dir: Path, cfg_dict: dict):
+        import os
+
+        import wandb
+
+        self.run = wandb.init(project="tailtamer", name=run_dir.name, dir=str(run_dir), config=cfg_dict,
+                              mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def log(self, row: dict) -> None:
+        self.run.log(_scalars(row), step=row["step"] + 1)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+LOGGERS: dict[str, tuple[Callable, str]] = {
+    "tensorboard": (TensorBoardLogger, "pip install tensorboard"),
+    "wandb": (WandbLogger, "pip install wandb"),
+}
+
+
+def check_loggers(names: tuple[str, ...]) -> None:
+    """Start-up check: every named logger exists and its package imports."""
+    import importlib.util
+
+    modules = {"tensorboard": "tensorboard", "wandb": "wandb"}
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(f"run.loggers: unknown logger {name!r}; choose from {sorted(LOGGERS)}")
+        if importlib.util.find_spec(modules[name]) is None:
+            raise ConfigError(f"run.loggers: {name} needs a package that is not installed ({LOGGERS[name][1]})")
+
+
+class RunLog:
+    """Fans a step's row out to metrics.jsonl, the named loggers, and the console."""
+
+    def __init__(self, run_dir: Path, names: tuple[str, ...], cfg_dict: dict, steps: int, first_step: int,
+                 console: Callable[[str], None] | None):
+        self.sinks = [JsonlLogger(run_dir, cfg_dict)] + [LOGGERS[n][0](run_dir, cfg_dict) for n in names]
+        self.steps = steps
+        self.bar = None
+        self.console = console
+        if console is None:  # the interactive CLI: a progress bar with the step lines above it
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, initial=first_step, unit="step", dynamic_ncols=True, leave=False)
+            self.console = self.bar.write
+
+    def log(self, row: dict) -> None:
+        for sink in self.sinks:
+            sink.log(row)
+        self.console(console_line(row, self.steps))
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{row['step_s']:.1f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def console_line(row: dict, steps: int) -> str:
+    extra = f"  eval {row['eval_accuracy']:.1%}" if "eval_accuracy" in row else ""
+    if row.get("accept_len_mean", 1.0) > 1.0:
+        extra += f"  accept {row['accept_len_mean']:.2f}"
+    return (f"step {row['step'] + 1:4d}/{steps}  reward {row['reward_mean']:.3f}  acc {row['accuracy']:.1%}  "
+            f"len p50 {row['response_len_p50']:.0f} max {row['response_len_max']:.0f}  "
+            f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s{extra}")
+
+
+def run_summary(history: list[dict], eval_at_start: float | None, seconds: float, **extra) -> dict:
+    """Start-vs-end figures of a run: mean train accuracy over the first and last fifth of the
+    steps, held-out greedy accuracy before the first and after the last step, median step time."""
+    h = history
+    evals = [r["eval_accuracy"] for r in h if "eval_accuracy" in r]
+    fifth = max(1, len(h) // 5)
+    mean = lambda rows, key: statistics.mean(r[key] for r in rows) if rows else None  # noqa: E731
+    return {
+        "steps": len(h), "seconds": seconds,
+        "accuracy_first_steps": mean(h[:fifth], "accuracy"),
+        "accuracy_last_steps": mean(h[-fifth:], "accuracy"),
+        "eval_accuracy_start": eval_at_start,
+        "eval_accuracy_end": evals[-1] if evals else None,
+        "step_s_median": statistics.median(r["step_s"] for r in h) if h else None,
+        "rollout_s_median": statistics.median(r["rollout_s"] for r in h) if h else None,
+        **extra,
+    }

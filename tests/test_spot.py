@@ -1,0 +1,173 @@
+"""Online DataBuffer (alignment, budget, one-step offset), sequence packing, the spot trainer
+(preemption, learning, selective checkpoint) and the acceptance estimates."""
+
+import random
+
+import pytest
+import torch
+
+from tailtamer.drafter.buffer import DataBuffer, Entry, pairs
+from tailtamer.drafter.spot import SpotConfig, SpotTrainer, acceptance_rate, expected_accept_length
+from tailtamer.drafter.train import pack
+from tailtamer.errors import ConfigError
+from tailtamer.model.drafter import init_drafter, load_drafter, weights_checksum
+from tailtamer.rl.trainer import response_batch
+from conftest import random_model
+
+H = 4
+
+
+def _position_hidden(length: int, offset: float = 0.0) -> torch.Tensor:
+    """hidden[t] = (t + offset) in every channel, so alignment errors are visible."""
+    return (torch.arange(length, dtype=torch.float) + offset)[:, None].expand(length, H).clone()
+
+
+def test_buffer_pairs_align_h_t_with_x_t_plus_1_over_response_tokens():
+    # Two samples: prompt [5, 6, 7] + response [8, 9, 1] and prompt [5, 6] + response [4, 1].
+    batch = [{"prompt_ids": [5, 6, 7]}, {"prompt_ids": [5, 6]}]
+
+    class C:  # the engine's Completion, reduced to what response_batch reads
+        def __init__(self, i, toks):
+            self.prompt_index, self.token_ids = i, toks
+
+    ids, mask = response_batch(batch, [C(0, [8, 9, 1]), C(1, [4, 1])], pad_id=0)
+    hidden = torch.stack([_position_hidden(ids.shape[1], 100 * b) for b in range(2)])
+    buf = DataBuffer(10**6)
+    assert buf.add_batch(step=3, ids=ids, hidden=hidden, response_mask=mask) == 2
+    first, second = buf.entries
+    assert first.tokens.tolist() == [5, 6, 7, 8, 9, 1] and first.response_start == 3
+    assert second.tokens.tolist() == [5, 6, 4, 1] and second.response_start == 2  # padding cut off
+    x_in, h_in, h_next, m = pairs(first)
+    for t in range(len(x_in)):
+        assert x_in[t] == first.tokens[t + 1]  # token x_{t+1} ...
+        assert h_in[t, 0] == t and h_next[t, 0] == t + 1  # ... beside feature h_t, predicting h_{t+1}
+    # Counted pairs are those whose input token x_{t+1} is a response token: 8, 9, 1.
+    assert x_in[m].tolist() == [8, 9, 1]
+    assert pairs(second)[0][pairs(second)[3]].tolist() == [4, 1]
+
+
+def test_buffer_budget_drops_the_oldest_and_counts():
+    entry = lambda step, n: Entry(step, torch.zeros(n, dtype=torch.long), torch.zeros(n, H), 1)  # noqa: E731
+    size = entry(0, 10).nbytes
+    buf = DataBuffer(max_bytes=3 * size)
+    for step in range(5):
+        buf.add(entry(step, 10))
+    assert [e.step for e in buf.entries] == [2, 3, 4] and buf.dropped == 2 and buf.nbytes == 3 * size
+    buf.add(entry(9, 1000))  # larger than the whole budget: refused, counted, nothing evicted
+    assert len(buf) == 3 and buf.dropped == 3
+
+
+def test_one_step_offset_mixes_newest_step_with_previous_long_ones():
+    buf = DataBuffer(10**8)
+    for step, lengths in ((0, [50, 60]), (1, [5, 10, 40, 80]), (2, [3, 4, 6])):
+        for n in lengths:
+            buf.add(Entry(step, torch.zeros(n + 2, dtype=torch.long), torch.zeros(n + 2, H), 2))
+    pool = buf.candidates(long_quantile=0.5)
+    assert sorted((e.step, e.response_len) for e in pool) == [(1, 40), (1, 80), (2, 3), (2, 4), (2, 6)]
+    drawn = buf.sample(random.Random(0), max_tokens=10**6)
+    assert sorted(e.response_len for e in drawn) == sorted(e.response_len for e in pool)
+    small = buf.sample(random.Random(0), max_tokens=12)
+    assert 1 <= len(small) and sum(len(e.tokens) - 1 for e in small) <= max(12, len(small[0].tokens) - 1)
+
+
+def test_packing_keeps_samples_apart():
+    a = [torch.tensor([1, 2, 3]), _position_hidden(3), _position_hidden(3, 1), torch.tensor([False, True, True])]
+    b = [torch.tensor([4, 5]), _position_hidden(2, 10), _position_hidden(2, 11), torch.tensor([True, True])]
+    tokens, h_in, h_next, mask, positions, attn = pack([a, b])
+    assert tokens.tolist() == [[1, 2, 3, 4, 5]] and mask.tolist() == [[False, True, True, True, True]]
+    assert positions.tolist() == [[0, 1, 2, 0, 1]]  # restart per sample
+    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]],
+                            dtype=torch.bool)
+    assert torch.equal(attn[0], expected)  # causal inside a sample, nothing across samples
+
+
+def test_packed_drafter_forward_equals_separate_forwards():
+    target = random_model()
+    drafter = init_drafter(target, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for n in (5, 3, 7):
+        samples.append([torch.randint(3, 90, (n,), generator=gen), torch.randn(n, 64, generator=gen),
+                        torch.randn(n, 64, generator=gen), torch.ones(n, dtype=torch.bool)])
+    tokens, h_in, _, _, positions, attn = pack(samples)
+    with torch.no_grad():
+        packed_logits, _ = drafter(tokens, h_in, positions, attn)
+        alone = torch.cat([drafter(s[0][None], s[1][None])[0][0] for s in samples])
+    torch.testing.assert_close(packed_logits[0], alone, atol=1e-5, rtol=1e-5)
+
+
+def _buffer_from_target(target, n=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    buf = DataBuffer(10**8)
+    for step in (0, 1):
+        for _ in range(n):
+            ids = torch.randint(3, 90, (1, 24), generator=gen)
+            with torch.no_grad():
+                _, hidden = target(ids)
+            mask = torch.zeros(1, 23, dtype=torch.bool)
+            mask[0, 4:] = True
+            buf.add_batch(step, ids, hidden, mask)
+    return buf
+
+
+def test_spot_trainer_is_preempted_before_the_next_step():
+    target = random_model()
+    trainer = SpotTrainer(init_drafter(target, seed=1), _buffer_from_target(target), SpotConfig(tokens_per_step=64))
+    polls = []
+
+    def stop_after_three():
+        polls.append(trainer.steps)
+        return len(polls) > 3
+
+    report = trainer.train(stop_after_three)
+    # The signal is checked before every step: three steps ran, none started after the signal.
+    assert report["steps"] == 3 and trainer.steps == 3 and polls == [0, 1, 2, 3]
+    assert report["preempt_latency_s"] >= 0
+
+
+def test_spot_training_lowers_the_drafter_loss_and_leaves_the_target_alone():
+    target = random_model()
+    before = weights_checksum(target)
+    grads_before = [p.requires_grad for p in target.parameters()]
+    buf = _buffer_from_target(target)
+    trainer = SpotTrainer(init_drafter(target, seed=1), buf, SpotConfig(tokens_per_step=256, lr=3e-3, max_steps=40))
+    first = trainer.step()
+    report = trainer.train(lambda: False)
+    later = trainer.train(lambda: False)
+    assert report["steps"] == later["steps"] == 40
+    assert later["loss"] < report["loss"] < first, (first, report["loss"], later["loss"])
+    assert weights_checksum(target) == before and [p.requires_grad for p in target.parameters()] == grads_before
+    assert all(p.grad is None for p in target.parameters())
+
+
+def test_selective_async_checkpoint_holds_only_drafter_tensors(tmp_path):
+    target = random_model()
+    drafter = init_drafter(target, seed=1)
+    trainer = SpotTrainer(drafter, _buffer_from_target(target), SpotConfig(tokens_per_step=64))
+    trainer.checkpoint_async(tmp_path / "d")
+    snapshot = weights_checksum(drafter)
+    trainer.step()  # training goes on while the copy is written
+    trainer.wait()
+    loaded = load_drafter(tmp_path / "d", target)
+    assert weights_checksum(loaded) == snapshot != weights_checksum(drafter)
+    from safetensors.torch import load_file
+    keys = load_file(str(tmp_path / "d" / "model.safetensors")).keys()
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
+
+
+def test_acceptance_rate_and_expected_accept_length():
+    p = torch.tensor([[0.5, 0.5, 0.0]]).log()
+    q = torch.tensor([[0.25, 0.25, 0.5]]).log()
+    assert acceptance_rate(p, q).item() == pytest.approx(0.5)
+    assert acceptance_rate(p, p).item() == pytest.approx(1.0)
+    alpha = torch.tensor([[0.5, 0.5, 0.5, 1.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    # starts: t0 → 1 + .5 + .25 = 1.75; t1 → 1 + .5 + .25 = 1.75; t2 → 1 + .5 + 0 (α_3 masked) = 1.5
+    assert expected_accept_length(alpha, mask, depth=2) == pytest.approx((1.75 + 1.75 + 1.5) / 3)
+
+
+def test_spot_config_rejects_bad_values():
+    with pytest.raises(ConfigError, match="drafter.single_worker"):
+        SpotConfig(single_worker="sometimes")
+    with pytest.raises(ConfigError, match="drafter.tokens_per_step must be >= 1"):
+        SpotConfig(tokens_per_step=0)
