@@ -68,9 +68,10 @@ class WandbLogger:
         self.run.finish()
 
 
+# name -> (logger class, the package it imports)
 LOGGERS: dict[str, tuple[Callable, str]] = {
-    "tensorboard": (TensorBoardLogger, "pip install tensorboard"),
-    "wandb": (WandbLogger, "pip install wandb"),
+    "tensorboard": (TensorBoardLogger, "tensorboard"),
+    "wandb": (WandbLogger, "wandb"),
 }
 
 
@@ -78,12 +79,12 @@ def check_loggers(names: tuple[str, ...]) -> None:
     """Start-up check: every named logger exists and its package imports."""
     import importlib.util
 
-    modules = {"tensorboard": "tensorboard", "wandb": "wandb"}
     for name in names:
         if name not in LOGGERS:
             raise ConfigError(f"run.loggers: unknown logger {name!r}; choose from {sorted(LOGGERS)}")
-        if importlib.util.find_spec(modules[name]) is None:
-            raise ConfigError(f"run.loggers: {name} needs a package that is not installed ({LOGGERS[name][1]})")
+        package = LOGGERS[name][1]
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"run.loggers: {name} needs a package that is not installed (pip install {package})")
 
 
 class RunLog:

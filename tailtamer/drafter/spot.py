@@ -36,7 +36,6 @@ class SpotConfig:
     tokens_per_step: int = f(2048, "packed tokens per drafter step")
     buffer_mb: int = f(256, "DataBuffer budget (MiB); the oldest entries are dropped beyond it")
     long_quantile: float = f(0.5, "one-step offset: previous-step responses at least this length quantile")
-    checkpoint_every: int = f(50, "selective async checkpoint every N drafter steps (0 = only with the run's)")
 
     def __post_init__(self):
         if self.single_worker not in ("never", "window"):
@@ -44,7 +43,7 @@ class SpotConfig:
         if not self.lr > 0 or self.window_s < 0 or not 0 <= self.long_quantile < 1:
             raise ConfigError("drafter: need lr > 0, window_s >= 0 and long_quantile in [0, 1)")
         at_least(self, "drafter", 1, "tokens_per_step", "buffer_mb")
-        at_least(self, "drafter", 0, "max_steps", "checkpoint_every")
+        at_least(self, "drafter", 0, "max_steps")
 
 
 def acceptance_rate(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -90,8 +89,7 @@ class SpotTrainer:
         self.steps = 0
         self._writer: threading.Thread | None = None
 
-    def train(self, should_stop: Callable[[], bool], deadline: float | None = None,
-              on_step: Callable[[int], None] | None = None) -> dict:
+    def train(self, should_stop: Callable[[], bool], deadline: float | None = None) -> dict:
         """Drafter steps until `should_stop()` (checked before every step), `deadline`
         (perf_counter seconds), `max_steps` or an empty buffer. Returns steps, seconds, mean
         loss and the seconds from the stop signal to the return (0 when it ended otherwise)."""
@@ -104,8 +102,6 @@ class SpotTrainer:
             if deadline is not None and time.perf_counter() >= deadline:
                 break
             losses.append(self.step())
-            if on_step is not None:
-                on_step(self.steps)
         end = time.perf_counter()
         return {"steps": len(losses), "seconds": end - t0,
                 "loss": sum(losses) / len(losses) if losses else None,

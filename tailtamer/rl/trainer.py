@@ -58,7 +58,7 @@ class RunState:
     train_rows: list[dict]
     eval_rows: list[dict]
     ref_model: torch.nn.Module | None = None
-    spot: SpotTrainer | None = None  # the adaptive drafter's trainer, when the engine drafts with EAGLE
+    spot: SpotTrainer | None = None  # the adaptive drafter's trainer, when one will train it
     step: int = 0
     bad_steps: int = 0
     skipped_prompts: int = 0
@@ -157,16 +157,13 @@ def rl_step(s: RunState) -> dict:
 
     # 6. Drafter: with one worker, spot training runs in a bounded window after the update.
     drafter = {"steps": 0, "seconds": 0.0, "loss": None}
-    if s.spot is not None and cfg.drafter.single_worker == "window":
+    if s.spot is not None:
         drafter = s.spot.train(lambda: False, deadline=time.perf_counter() + cfg.drafter.window_s)
 
-    # 7. Weight sync: the engine runs these very modules; check and record what it runs next.
+    # 7. Weight sync: in one process the engine runs these very modules (the spot trainer
+    #    trains the engine's drafter in place); record what the next rollout runs.
     weights = weights_checksum(s.model)
-    drafter_sha = None
-    if s.spot is not None:
-        drafter_sha = weights_checksum(s.spot.drafter)
-        if weights_checksum(s.engine.proposer.drafter) != drafter_sha:
-            raise TrainingError("the engine's drafter differs from the trained one (stale drafter)")
+    drafter_sha = weights_checksum(s.engine.proposer.drafter) if isinstance(s.engine.proposer, EagleProposer) else None
 
     # 8. Metrics.
     summary = rollout.summary()
@@ -313,7 +310,8 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print) -> RunState:
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                     **make_speculator(cfg.spec, model))
     spot = None
-    if cfg.drafter.train and isinstance(engine.proposer, EagleProposer):
+    # With one worker, a drafter that never trains needs no buffer: nothing fills it.
+    if cfg.drafter.train and cfg.drafter.single_worker == "window" and isinstance(engine.proposer, EagleProposer):
         spot = SpotTrainer(engine.proposer.drafter, DataBuffer(cfg.drafter.buffer_mb << 20), cfg.drafter, cfg.run.seed)
         if resume is not None and (checkpoint / "drafter").is_dir():
             engine.proposer.drafter.load_state_dict(load_drafter(checkpoint / "drafter", model).state_dict())
