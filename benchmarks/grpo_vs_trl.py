@@ -40,9 +40,12 @@ def run_tailtamer(model_dir: Path, problems: list[dict], args, out_dir: Path) ->
 
 def run_trl(model_dir: Path, problems: list[dict], args, out_dir: Path) -> list[dict]:
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        raise SystemExit(f"error: this benchmark needs TRL ({e}); run `pip install trl`") from None
 
     from tailtamer.tasks.arithmetic import ANSWER_RE
 
