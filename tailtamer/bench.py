@@ -132,6 +132,7 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
     For batch size B the engine runs max(8, B) prompts with at most B at once; plain and SD
     runs are interleaved and use the same seeds, so they emit the same tokens (checked)."""
     from tailtamer.drafter.train import ensure_builtin_drafter
+    from tailtamer.model.drafter import load_drafter
     from tailtamer.model.tokenizer import load_tokenizer
     from tailtamer.rollout.ngram import NgramProposer
     from tailtamer.rollout.speculative import EagleProposer, Strategy
@@ -139,7 +140,7 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
 
     path = _default_model_dir(model_dir)
     model, tokenizer = load_model(path), load_tokenizer(path)
-    drafter = ensure_builtin_drafter(path, model, tokenizer)
+    drafter = load_drafter(ensure_builtin_drafter(path, model, tokenizer), model)
     problems = ArithmeticTask(min_ops=4).dataset(max(batches + (8,)), seed=424242)
     params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1)
     arms = [(f"eagle {s}", lambda s=s: (EagleProposer(drafter), Strategy.parse(s))) for s in strategies]
@@ -176,13 +177,14 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     than spec.bs_threshold requests run, then SD with the BEG-MAB tuner. Same seeds, so the
     three emit the same tokens; runs are interleaved and timed in one process."""
     from tailtamer.drafter.train import ensure_builtin_drafter
+    from tailtamer.model.drafter import load_drafter
     from tailtamer.model.tokenizer import load_tokenizer
     from tailtamer.rollout.speculative import EagleProposer, SpecConfig
     from tailtamer.tasks.arithmetic import ArithmeticTask, reward
 
     path = _default_model_dir(model_dir)
     model, tokenizer = load_model(path), load_tokenizer(path)
-    drafter = ensure_builtin_drafter(path, model, tokenizer)
+    drafter = load_drafter(ensure_builtin_drafter(path, model, tokenizer), model)
     problems = ArithmeticTask().dataset(prompts, seed=31337)
     ids = [tokenizer.encode(p["prompt"]) for p in problems]
     params = SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=2)

@@ -16,7 +16,7 @@ from tailtamer.rollout.speculative import SpecConfig
 
 def cmd_train(args) -> None:
     from tailtamer.config import config_help, load_train_config
-    from tailtamer.rl.trainer import train
+    from tailtamer.rl.trainer import launch
 
     if args.help_config:
         print("\n".join(config_help()))
@@ -29,8 +29,9 @@ def cmd_train(args) -> None:
             raise TailtamerError("--resume takes its config from the run directory; give only key=value overrides")
         path = resume / "config.yaml"
     cfg = load_train_config(path, items)
-    summary = train(cfg, resume, console=None if sys.stderr.isatty() else print)
-    print(json.dumps(summary, indent=2))
+    summary = launch(cfg, resume, console=None if sys.stderr.isatty() else print)
+    if summary is not None:  # worker 0 (under torchrun every worker runs this)
+        print(json.dumps(summary, indent=2))
 
 
 def cmd_generate(args) -> None:

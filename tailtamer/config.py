@@ -52,10 +52,14 @@ class RunConfig:
     seed: int = f(0, "seeds data order, sampling and initialisation")
     max_bad_steps: int = f(3, "stop (with a checkpoint) after this many NaN/inf losses in a row")
     loggers: tuple[str, ...] = f((), "extra loggers besides metrics.jsonl: tensorboard, wandb (offline unless WANDB_MODE)")
+    workers: int = f(0, "worker processes on this machine (0 = one per CPU core); torchrun sets them itself")
+    dist_timeout_s: float = f(300.0, "a worker silent for this long in a collective stops the run")
 
     def __post_init__(self):
         at_least(self, "run", 1, "steps")
-        at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps")
+        at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers")
+        if not self.dist_timeout_s > 0:
+            raise ConfigError(f"run.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -127,13 +131,18 @@ class TrainConfig:
     data: DataConfig = f(DataConfig(), "data")
     rollout: RolloutConfig = f(RolloutConfig(), "rollout")
     rl: RLConfig = f(RLConfig(), "rl")
-    spec: SpecConfig = f(SpecConfig(), "speculative decoding in the rollout")
+    spec: SpecConfig = f(SpecConfig(mode="adaptive", drafter="builtin"),
+                         "speculative decoding in the rollout (drafter builtin = the built-in base model's warm-up drafter)")
     drafter: SpotConfig = f(SpotConfig(), "adaptive drafter: online training on idle time")
 
     def __post_init__(self):
         if self.rollout.prompts_per_step * self.rollout.group_size % self.rl.minibatches:
             raise ConfigError(f"rl.minibatches ({self.rl.minibatches}) must divide prompts_per_step x group_size "
                               f"({self.rollout.prompts_per_step * self.rollout.group_size})")
+        if self.spec.drafter == "builtin" and self.run.model is not None and self.spec.mode != "off":
+            raise ConfigError(f"spec.drafter=builtin is the built-in base model's drafter, not one for "
+                              f"run.model={self.run.model}; give spec.drafter=DIR (tailtamer drafter train), "
+                              f"spec.drafter=ngram, or spec.mode=off")
 
 
 def _coerce(value: Any, kind, where: str):

@@ -82,3 +82,34 @@ def plot_rl_curves(history: list[dict], path: str | Path, eval_at_start: float |
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+PHASE_COLORS = {"rollout": "tab:blue", "spot": "tab:orange", "wait": "lightgray", "update": "tab:green",
+                "publish": "tab:purple"}
+
+
+def plot_worker_timeline(row: dict, path: str | Path) -> Path:
+    """One RL step per worker: rollout, spot training of the drafter, waiting, update, publish
+    (`row["timeline"]` = [[worker, phase, start_s, end_s], ...] from the step's metrics)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    spans = row["timeline"]
+    workers = sorted({r for r, *_ in spans})
+    fig, ax = plt.subplots(figsize=(8, 0.7 * len(workers) + 1.4), dpi=110)
+    for rank, phase, start, end in spans:
+        ax.barh(rank, end - start, left=start, color=PHASE_COLORS.get(phase, "black"), edgecolor="white", height=0.6)
+    ax.set_yticks(workers, [f"worker {r}" for r in workers])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the step began")
+    ax.set_title(f"RL step {row['step'] + 1}: per-worker timeline")
+    used = [p for p in PHASE_COLORS if any(s[1] == p for s in spans)]
+    ax.legend(handles=[Patch(color=PHASE_COLORS[p], label=p) for p in used], loc="lower right", fontsize=8, ncol=len(used))
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

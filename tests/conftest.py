@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -32,3 +34,21 @@ def model_dir(tmp_path):
     save_model(random_model(), out)
     char_tokenizer().save(out)
     return out
+
+
+TOY_REWARD = '''
+def odd_first_char(response, answer):
+    """1 when the response starts with a character of odd code: easy to learn, rare at first."""
+    return float(bool(response) and ord(response[0]) % 2 == 1)
+'''
+
+
+@pytest.fixture
+def toy(model_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in ["ab", "cd", "ef", "gh"]))
+    reward = tmp_path / "toy_reward.py"
+    reward.write_text(TOY_REWARD)
+    return [f"run.model={model_dir}", f"data.train={data}", f"rl.reward={reward}:odd_first_char",
+            f"run.out_dir={tmp_path / 'runs'}", "rollout.prompts_per_step=4", "rollout.group_size=8",
+            "rollout.max_new_tokens=3", "run.eval_every=0", "rl.warmup=1", "spec.mode=off"]

@@ -62,6 +62,23 @@ def test_aggregations_by_hand():
     assert agg("seq-mean-token-sum-norm", max_len=8) == pytest.approx((6 / 8 + 4 / 8) / 2)
 
 
+@pytest.mark.parametrize("name", sorted(AGGREGATIONS))
+def test_aggregation_over_shards_equals_the_whole_batch(name):
+    """Data-parallel workers each weight their shard with counts summed over all shards
+    (`total`); the weights must equal those of the whole batch computed in one place."""
+    mask = torch.rand(7, 6, generator=torch.Generator().manual_seed(0)) > 0.4
+    mask[3] = False  # a sample with no counted token
+    whole = AGGREGATIONS[name](mask, 6)
+    shards = [mask[:3], mask[3:]]
+    def total(x, part):  # stands in for the all-reduce: this shard's count plus the other's
+        other = shards[1 - part]
+        return x + {"token-mean": other.float().sum(), "seq-mean-token-mean": other.any(-1).sum().float(),
+                    "seq-mean-token-sum-norm": other.any(-1).sum().float()}[name]
+    parts = [AGGREGATIONS[name](m, 6, lambda x, i=i: total(x, i)) for i, m in enumerate(shards)]
+    assert torch.allclose(torch.cat(parts), whole)
+    assert not torch.allclose(torch.cat([AGGREGATIONS[name](m, 6) for m in shards]), whole)
+
+
 def test_kl_estimators():
     logp = torch.log(torch.tensor([0.5, 0.2]))
     ref = torch.log(torch.tensor([0.25, 0.2]))

@@ -11,7 +11,7 @@ from tailtamer.drafter.spot import SpotConfig, SpotTrainer, acceptance_rate, exp
 from tailtamer.drafter.train import pack
 from tailtamer.errors import ConfigError
 from tailtamer.model.drafter import init_drafter, load_drafter, weights_checksum
-from tailtamer.rl.trainer import response_batch
+from tailtamer.rl.batching import response_batch
 from conftest import random_model
 
 H = 4

@@ -11,25 +11,10 @@ from pathlib import Path
 import pytest
 
 from tailtamer.config import load_train_config
-from tailtamer.rl.trainer import response_batch, train
+from tailtamer.rl.batching import response_batch
+from tailtamer.rl.trainer import train
 
-TOY_REWARD = '''
-def odd_first_char(response, answer):
-    """1 when the response starts with a character of odd code: easy to learn, rare at first."""
-    return float(bool(response) and ord(response[0]) % 2 == 1)
-'''
-TIME_FIELDS = {"rollout_s", "train_s", "step_s"}
-
-
-@pytest.fixture
-def toy(model_dir, tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in ["ab", "cd", "ef", "gh"]))
-    reward = tmp_path / "toy_reward.py"
-    reward.write_text(TOY_REWARD)
-    return [f"run.model={model_dir}", f"data.train={data}", f"rl.reward={reward}:odd_first_char",
-            f"run.out_dir={tmp_path / 'runs'}", "rollout.prompts_per_step=4", "rollout.group_size=8",
-            "rollout.max_new_tokens=3", "run.eval_every=0", "rl.warmup=1"]
+TIME_FIELDS = {"rollout_s", "train_s", "step_s", "idle_worker_s", "drafter_train_s", "drafter_preempt_s", "timeline"}
 
 
 def _rows(run_dir: Path):
@@ -69,7 +54,7 @@ def test_resume_repeats_an_uninterrupted_run(toy, tmp_path):
 
 
 def test_sigkill_mid_run_leaves_a_valid_checkpoint(toy, tmp_path):
-    args = toy + ["run.steps=60", "run.save_every=2", "rl.lr=1e-3", "run.name=killed"]
+    args = toy + ["run.steps=60", "run.save_every=2", "rl.lr=1e-3", "run.name=killed", "run.workers=1"]
     run = tmp_path / "runs" / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "tailtamer", "train", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)

@@ -36,6 +36,7 @@ class SpotConfig:
     tokens_per_step: int = f(2048, "packed tokens per drafter step")
     buffer_mb: int = f(256, "DataBuffer budget (MiB); the oldest entries are dropped beyond it")
     long_quantile: float = f(0.5, "one-step offset: previous-step responses at least this length quantile")
+    compare_frozen: bool = f(True, "also estimate the warm-up drafter's accept length on each step's fresh data")
 
     def __post_init__(self):
         if self.single_worker not in ("never", "window"):
@@ -77,6 +78,40 @@ def expected_accept_length(alpha: torch.Tensor, mask: torch.Tensor, depth: int) 
         total += acc.sum().item()
         count += valid
     return total / max(1, count)
+
+
+@torch.no_grad()
+def estimate_accept_length(drafter: Drafter, entries: list, depth: int, temperature: float = 1.0,
+                           max_tokens: int = 4096) -> tuple[float, int]:
+    """(expected accept length, positions) of `drafter` on buffer entries, teacher-forced:
+    the fair way to compare two drafters (the adaptive one and a frozen copy of the warm-up)
+    on the same fresh responses. Entries are packed in groups of at most `max_tokens`."""
+    groups, group, used = [], [], 0
+    for entry in entries:
+        size = len(entry.tokens) - 1
+        if group and used + size > max_tokens:
+            groups.append(group)
+            group, used = [], 0
+        group.append(entry)
+        used += size
+    if group:
+        groups.append(group)
+    total, count = 0.0, 0
+    dtype = drafter.fc.weight.dtype
+    for group in groups:
+        samples = [pairs(e) for e in group]
+        tokens, h_in, h_next, mask, positions, attn = pack(samples)
+        logits, _ = drafter(tokens, h_in.to(dtype), positions, attn)
+        alpha = acceptance_rate(drafter.target.lm_head(h_next.to(dtype)), logits, temperature)[0]
+        # one row per sample, so accepted chains never run across a sample boundary
+        width = max(len(x[0]) for x in samples)
+        rows, masks = torch.zeros(len(samples), width), torch.zeros(len(samples), width, dtype=torch.bool)
+        for i, part in enumerate(alpha.split([len(x[0]) for x in samples])):
+            rows[i, : len(part)], masks[i, : len(part)] = part, samples[i][3]
+        n = int(masks.sum())
+        total += expected_accept_length(rows, masks, depth) * n
+        count += n
+    return (total / count if count else 1.0), count
 
 
 class SpotTrainer:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tailtamer.atomic import atomic_write_json
 from tailtamer.errors import ConfigError, DataError
-from tailtamer.model.drafter import Drafter, init_drafter, load_drafter, save_drafter
+from tailtamer.model.drafter import Drafter, init_drafter, save_drafter
 from tailtamer.model.transformer import Transformer
 from tailtamer.sft import make_batch
 
@@ -160,9 +160,9 @@ def _train(target, sequences, cfg, drafter, rng, log):
 
 
 def ensure_builtin_drafter(model_dir: Path, target: Transformer, tokenizer, cfg: DrafterTrainConfig = DrafterTrainConfig(),
-                           log: Callable[[str], None] = print) -> Drafter:
-    """The warmed-up drafter of the built-in base model, trained on task traces once and cached
-    beside it."""
+                           log: Callable[[str], None] = print) -> Path:
+    """The directory of the built-in base model's warmed-up drafter, trained on task traces
+    once and cached beside the model."""
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
     out = model_dir.parent / f"{model_dir.name}-drafter-{cfg.key()}"
@@ -173,4 +173,4 @@ def ensure_builtin_drafter(model_dir: Path, target: Transformer, tokenizer, cfg:
         drafter, info = train_drafter(target, seqs, cfg, log=log)
         save_drafter(drafter, out)
         atomic_write_json(out / "train.json", info)
-    return load_drafter(out, target)
+    return out

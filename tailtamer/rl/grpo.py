@@ -58,27 +58,33 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
 
 # --- loss aggregation: token weights w with loss = Σ ℓ·w ------------------------------------------
 # Weights are computed over a whole optimizer minibatch, so summing Σ ℓ·w over its micro-batches
-# (gradient accumulation) gives exactly the minibatch's aggregate.
+# (gradient accumulation) gives exactly the minibatch's aggregate. `total` sums a count over
+# the minibatch's shards on every worker (identity on one worker), so data-parallel workers
+# summing their gradients get the same aggregate too.
 
 
-def token_mean(mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def token_mean(mask: torch.Tensor, max_len: int | None = None, total=_local) -> torch.Tensor:
     """w = m / Σ m over the whole batch: every token weighs the same (DAPO)."""
     m = mask.float()
-    return m / m.sum().clamp(min=1)
+    return m / total(m.sum()).clamp(min=1)
 
 
-def seq_mean_token_mean(mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+def seq_mean_token_mean(mask: torch.Tensor, max_len: int | None = None, total=_local) -> torch.Tensor:
     """w = m / (Σ_t m · S) with S the sequences that have tokens: every sequence weighs the
     same (original GRPO)."""
     m = mask.float()
     per_seq = m.sum(-1, keepdim=True)
-    return m / per_seq.clamp(min=1) / mask.any(-1).sum().clamp(min=1)
+    return m / per_seq.clamp(min=1) / total(mask.any(-1).sum().float()).clamp(min=1)
 
 
-def seq_mean_token_sum_norm(mask: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+def seq_mean_token_sum_norm(mask: torch.Tensor, max_len: int | None = None, total=_local) -> torch.Tensor:
     """w = m / (L · S) with a constant L (the max response length) and S the sequences that
     have tokens: no length bias (Dr. GRPO)."""
-    return mask.float() / ((max_len or mask.shape[-1]) * mask.any(-1).sum().clamp(min=1))
+    return mask.float() / ((max_len or mask.shape[-1]) * total(mask.any(-1).sum().float()).clamp(min=1))
 
 
 AGGREGATIONS: dict[str, Callable] = {

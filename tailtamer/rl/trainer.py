@@ -1,22 +1,27 @@
-"""`tailtamer train`: GRPO-family RL with verifiable rewards.
+"""`tailtamer train`: GRPO-family RL with verifiable rewards, on one or more workers.
 
-`rl_step` is the whole algorithm, top to bottom: rollout -> rewards -> advantages -> old
-log-probs (one forward that also yields the hidden states a drafter trains on) -> policy
-update -> drafter hook -> weight sync -> metrics. Everything around it (setup, evaluation,
-checkpoints, logging) lives in `train`.
+`rl_step` is the whole algorithm, top to bottom: rollout (each worker a shard of the prompts)
+-> spot training of the drafter on workers whose shard is done, preempted when the last one
+finishes -> rewards -> advantages -> old log-probs (one forward that also yields the hidden
+states the drafter trains on) -> data-parallel policy update -> drafter publish -> weight
+check -> metrics. Everything around it (setup, evaluation, checkpoints, logging) lives in `train`;
+processes and the c10d store live in tailtamer/dist.py.
 
-Choices: the rollout engine runs the policy module itself (same process), so "weight sync"
-is a checksum of what the engine will run next; prompts for step s are drawn from a generator
-keyed by (seed, s), and sampling seeds too, so a resumed run repeats an uninterrupted one.
+Choices: each worker's rollout engine runs its own copy of the policy module, and every worker
+applies the same summed gradient, so "weight sync" is a checksum of what every engine will run
+next, compared across workers. Prompts for step s are drawn from a generator keyed by (seed, s)
+and sampling streams by (seed, s, global prompt index, sample): a resumed run repeats an
+uninterrupted one, and N workers sample what one worker would.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,25 +29,27 @@ import yaml
 
 from tailtamer.atomic import atomic_write_json, atomic_write_text
 from tailtamer.config import TrainConfig, to_dict
-from tailtamer.errors import TailtamerError
-from tailtamer.metrics import RunLog, check_loggers, run_summary
+from tailtamer.dist import Workers, resolve_workers, spawn
 from tailtamer.drafter.buffer import DataBuffer
-from tailtamer.drafter.spot import SpotTrainer
-from tailtamer.model.drafter import load_drafter, save_drafter, weights_checksum
+from tailtamer.drafter.spot import SpotTrainer, estimate_accept_length
+from tailtamer.errors import ConfigError, TailtamerError
+from tailtamer.metrics import RunLog, check_loggers, run_summary
+from tailtamer.model.drafter import Drafter, load_drafter, save_drafter, weights_checksum
 from tailtamer.model.io import load_model
 from tailtamer.model.tokenizer import load_tokenizer
-from tailtamer.plots import plot_rl_curves
+from tailtamer.plots import plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
+from tailtamer.rl.batching import response_batch, update_plan
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tailtamer.rl.data import load_task_rows
 from tailtamer.rl.rewards import RewardScorer, resolve_reward
-from tailtamer.rollout.engine import Engine, EngineConfig
+from tailtamer.rollout.engine import Engine, EngineConfig, mean_accept_len
 from tailtamer.rollout.sampling import SamplingParams
-from tailtamer.rollout.speculative import EagleProposer, make_speculator
+from tailtamer.rollout.speculative import EagleProposer, Strategy, make_speculator
 
 
 class TrainingError(TailtamerError):
-    """The run cannot go on (e.g. repeated non-finite losses); a checkpoint was written first."""
+    """The run cannot go on (repeated non-finite losses, workers running different weights)."""
 
 
 @dataclass
@@ -57,8 +64,10 @@ class RunState:
     scorer: RewardScorer
     train_rows: list[dict]
     eval_rows: list[dict]
+    workers: Workers = field(default_factory=Workers)
     ref_model: torch.nn.Module | None = None
     spot: SpotTrainer | None = None  # the adaptive drafter's trainer, when one will train it
+    frozen: Drafter | None = None  # the warm-up drafter, kept to compare accept lengths
     step: int = 0
     bad_steps: int = 0
     skipped_prompts: int = 0
@@ -67,39 +76,55 @@ class RunState:
 
 
 def rl_step(s: RunState) -> dict:
-    cfg, roll, rl = s.cfg, s.cfg.rollout, s.cfg.rl
-    t_step = time.perf_counter()
+    cfg, roll, rl, w = s.cfg, s.cfg.rollout, s.cfg.rl, s.workers
+    t_step, wall_start = time.perf_counter(), time.time()
 
-    # 1. Rollout: group_size samples for each of prompts_per_step prompts.
+    # 1. Rollout: group_size samples for each of prompts_per_step prompts; this worker
+    #    generates a contiguous shard of the prompts, each from its global sampling stream.
     rng = random.Random(f"{cfg.run.seed}/{s.step}")
-    batch = rng.sample(s.train_rows, min(roll.prompts_per_step, len(s.train_rows)))
+    prompts = rng.sample(s.train_rows, min(roll.prompts_per_step, len(s.train_rows)))
+    lo, hi = w.shard(len(prompts))
+    batch = prompts[lo:hi]
     params = SamplingParams(temperature=roll.temperature, top_p=roll.top_p, max_new_tokens=roll.max_new_tokens,
                             n=roll.group_size, seed=cfg.run.seed * 1_000_003 + s.step)
     s.model.eval()
-    completions, rollout = s.engine.generate([row["prompt_ids"] for row in batch], params)
-    rollout_s = time.perf_counter() - t_step
+    w.set_state("BUSY")
+    completions, rollout = s.engine.generate([row["prompt_ids"] for row in batch], params, first_index=lo)
+    wall_rollout = time.time()
+    w.finish_rollout(s.step)
 
-    # 2. Rewards (a failing reward scores 0 and is counted), with the optional overlong penalty.
-    correct = torch.tensor([[s.scorer.score(c.text, batch[c.prompt_index]["answer"]) for c in completions]])
+    # 2. Idle time: until the last shard is done, train the drafter on the buffer (data of
+    #    earlier steps); the trainer checks the store before every drafter step.
+    drafter = {"steps": 0, "seconds": 0.0, "loss": None}
+    if s.spot is not None and w.world > 1:
+        w.set_state("TRAINING")
+        drafter = s.spot.train(lambda: w.rollout_over(s.step))
+    wall_spot = time.time()
+    w.set_state("IDLE")
+    wall_all_done = w.wait_rollout(s.step)
+
+    # 3. Rewards (a failing reward scores 0 and is counted), with the optional overlong penalty.
+    correct = torch.tensor([float(s.scorer.score(c.text, batch[c.prompt_index]["answer"])) for c in completions])
     rewards = correct.view(len(batch), roll.group_size).clone()
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float)
     if rl.overlong == "penalty":
         rewards += grpo.overlong_penalty(lengths, roll.max_new_tokens, rl.overlong_buffer).view_as(rewards)
 
-    # 3. Advantages per group; dynamic sampling keeps only groups whose rewards differ.
+    # 4. Advantages per group (a group never spans workers); dynamic sampling keeps only
+    #    groups whose rewards differ.
     advantages = grpo.ADVANTAGES[rl.advantage](rewards).flatten()
     keep = torch.ones(len(completions), dtype=torch.bool)
     if rl.dynamic_sampling:
         keep = grpo.informative_groups(rewards).repeat_interleave(roll.group_size)
     if rl.overlong == "mask":
-        keep &= torch.tensor([c.finish_reason != "length" for c in completions])
+        keep &= torch.tensor([c.finish_reason != "length" for c in completions], dtype=torch.bool)
 
-    # 4. Old log-probs (and the reference's): one forward; its hidden states feed the drafter.
+    # 5. Old log-probs (and the reference's): one forward; its hidden states feed the drafter.
     t_train = time.perf_counter()
     ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
     response_mask &= keep[:, None]
     plan = update_plan(response_mask, rl.minibatches, rl.micro_batch_size, roll.max_new_tokens,
-                       grpo.AGGREGATIONS[rl.loss_agg], torch.Generator().manual_seed(cfg.run.seed + s.step))
+                       grpo.AGGREGATIONS[rl.loss_agg], torch.Generator().manual_seed(cfg.run.seed + s.step), w.sum)
     old_logps, ref_logps = {}, {}
     with torch.no_grad():
         for micro in (m for minibatch in plan for m in minibatch):
@@ -111,18 +136,23 @@ def rl_step(s: RunState) -> dict:
             if s.ref_model is not None:
                 ref_logits = s.ref_model(mb_ids)[0][:, :-1]
                 ref_logps[micro.key] = grpo.token_log_probs(ref_logits, mb_ids[:, 1:], roll.temperature)
-    del logits
+    fresh = [e for e in s.spot.buffer.entries if e.step == s.step] if s.spot is not None else []
+    accept_est = accept_est_frozen = (1.0, 0)
+    if s.frozen is not None and fresh:  # both drafters on responses neither has trained on
+        depth = Strategy.parse(cfg.spec.strategy).depth
+        accept_est = estimate_accept_length(s.spot.drafter, fresh, depth, roll.temperature)
+        accept_est_frozen = estimate_accept_length(s.frozen, fresh, depth, roll.temperature)
 
-    # 5. Policy update: ppo_epochs passes, one optimizer step per minibatch, gradients
-    #    accumulated over its micro-batches (the token weights make the sum exact).
+    # 6. Policy update: ppo_epochs passes, one optimizer step per minibatch; gradients are
+    #    accumulated over its micro-batches and summed over workers (the token weights are
+    #    normalised over all workers' samples, so the sum is the minibatch's exact gradient).
     s.model.train()
+    params_list = list(s.model.parameters())
     losses, kls, entropies, clip_fracs, grad_norms = [], [], [], [], []
     for _ in range(rl.ppo_epochs):
         for minibatch in plan:
-            if not any(m.weights.any() for m in minibatch):
-                continue
             s.optimizer.zero_grad(set_to_none=True)
-            totals = torch.zeros(4)  # loss, kl, entropy, clipped weight
+            totals = torch.zeros(5)  # loss, kl, entropy, clipped weight, weight
             for micro in minibatch:
                 mb_ids = ids[micro.rows, : micro.width]
                 logits, _ = s.model(mb_ids)
@@ -139,119 +169,132 @@ def rl_step(s: RunState) -> dict:
                     loss = loss - rl.entropy_coef * entropy
                 loss.backward()
                 totals += torch.stack([loss.detach(), kl.detach(), entropy.detach(),
-                                       (clipped * micro.weights).sum().detach()])
+                                       (clipped * micro.weights).sum().detach(), micro.weights.sum()])
+            totals = w.reduce_gradients(params_list, totals)  # every worker now holds the same sums
+            if totals[4] == 0:
+                continue  # no token of this minibatch counts on any worker
             if not torch.isfinite(totals[0]):
                 s.bad_steps += 1
                 continue  # skip the update, keep the weights
-            grad_norms.append(torch.nn.utils.clip_grad_norm_(s.model.parameters(), rl.grad_clip).item())
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(params_list, rl.grad_clip).item())
             s.optimizer.step()
             s.scheduler.step()
             losses.append(totals[0].item())
             kls.append(totals[1].item())
             entropies.append(totals[2].item())
-            clip_fracs.append(totals[3].item() / max(1e-12, sum(m.weights.sum().item() for m in minibatch)))
+            clip_fracs.append(totals[3].item() / totals[4].item())
     if losses:
         s.bad_steps = 0
     s.model.eval()
     train_s = time.perf_counter() - t_train
 
-    # 6. Drafter: with one worker, spot training runs in a bounded window after the update.
-    drafter = {"steps": 0, "seconds": 0.0, "loss": None}
-    if s.spot is not None:
+    # 7. Drafter: with one worker, spot training runs in a bounded window after the update;
+    #    with several, the drafters trained on idle workers are averaged into one.
+    wall_window = time.time()
+    if s.spot is not None and w.world == 1:
         drafter = s.spot.train(lambda: False, deadline=time.perf_counter() + cfg.drafter.window_s)
+    if s.spot is not None:
+        w.average_(s.spot.drafter, drafter["steps"])
 
-    # 7. Weight sync: in one process the engine runs these very modules (the spot trainer
-    #    trains the engine's drafter in place); record what the next rollout runs.
-    weights = weights_checksum(s.model)
-    drafter_sha = weights_checksum(s.engine.proposer.drafter) if isinstance(s.engine.proposer, EagleProposer) else None
+    # 8. Weight check: every engine runs the module its worker trained; compare what each
+    #    will run next with worker 0's, so a stale or diverged copy stops the run.
+    drafter_module = s.engine.proposer.drafter if isinstance(s.engine.proposer, EagleProposer) else None
+    weights = (weights_checksum(s.model), weights_checksum(drafter_module) if drafter_module is not None else None)
+    check_same_weights(w.gather(weights), s.step)
+    wall_end = time.time()
 
-    # 8. Metrics.
+    # 9. Metrics: this worker's share, gathered and merged (identically on every worker).
     summary = rollout.summary()
-    sd_tokens = sum(v["tokens"] for v in summary["by_strategy"].values())
-    resp = lengths.tolist()
+    wall_update = max(wall_spot, wall_all_done)
+    timeline = [("rollout", wall_start, wall_rollout),
+                ("spot" if drafter["steps"] and w.world > 1 else "wait", wall_rollout, wall_spot),
+                ("wait", wall_spot, wall_update), ("update", wall_update, wall_window),
+                ("spot" if w.world == 1 else "publish", wall_window, wall_end)]
+    mine = {
+        "correct": correct.tolist(), "rewards": rewards.flatten().tolist(), "lengths": lengths.tolist(),
+        "truncated": sum(c.finish_reason == "length" for c in completions), "kept": keep.sum().item(),
+        "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
+        "accept_lens": rollout.accept_lens, "drafter": drafter, "idle_s": wall_all_done - wall_rollout,
+        "preempt_s": max(0.0, wall_spot - wall_all_done) if drafter["steps"] else None,
+        "accept_est": accept_est, "accept_est_frozen": accept_est_frozen,
+        "timeline": [(name, a, b) for name, a, b in timeline if b > a], "scorer": s.scorer.counts(),
+    }
+    parts = w.gather(mine)
+    every = lambda key: [x for p in parts for x in p[key]]  # noqa: E731
+    resp, accept_lens = every("lengths"), {}
+    for p in parts:
+        for k, v in p["accept_lens"].items():
+            accept_lens[k] = accept_lens.get(k, 0) + v
+    start = min(p["timeline"][0][1] for p in parts)
+    drafter_losses = [p["drafter"]["loss"] for p in parts if p["drafter"]["loss"] is not None]
+    preempts = [p["preempt_s"] for p in parts if p["preempt_s"] is not None]
     return {
         "step": s.step,
-        "reward_mean": rewards.mean().item(),
-        "accuracy": correct.mean().item(),
+        "reward_mean": statistics.mean(every("rewards")),
+        "accuracy": statistics.mean(every("correct")),
         "response_len_mean": statistics.mean(resp),
         "response_len_p50": statistics.median(resp),
         "response_len_max": max(resp),
-        "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        "rollout_s": rollout_s,
+        "truncated_frac": sum(p["truncated"] for p in parts) / len(resp),
+        "rollout_s": wall_all_done - start,
         "train_s": train_s,
         "step_s": time.perf_counter() - t_step,
-        "sd_tokens_frac": sd_tokens / max(1, summary["tokens"]),
-        "accept_len_mean": summary["accept_len_mean"],
-        "drafter_loss": drafter["loss"],
-        "drafter_train_s": drafter["seconds"],
-        "drafter_steps": drafter["steps"],
+        "sd_tokens_frac": sum(p["sd_tokens"] for p in parts) / max(1, sum(p["tokens"] for p in parts)),
+        "accept_len_mean": mean_accept_len(accept_lens),
+        "accept_len_est": _weighted(parts, "accept_est"),
+        "accept_len_est_frozen": _weighted(parts, "accept_est_frozen") if s.frozen is not None else None,
+        "drafter_loss": statistics.mean(drafter_losses) if drafter_losses else None,
+        "drafter_train_s": sum(p["drafter"]["seconds"] for p in parts),
+        "drafter_steps": sum(p["drafter"]["steps"] for p in parts),
+        "drafter_preempt_s": max(preempts) if preempts else None,
         "drafter_buffer_dropped": s.spot.buffer.dropped if s.spot is not None else 0,
-        "drafter_sha": drafter_sha,
-        "idle_worker_s": 0.0,
+        "drafter_sha": weights[1],
+        "idle_worker_s": sum(p["idle_s"] for p in parts),
+        "workers": w.world,
         "loss": statistics.mean(losses) if losses else None,
         "kl": statistics.mean(kls) if kls and s.ref_model is not None else None,
         "entropy": statistics.mean(entropies) if entropies and rl.entropy_coef else None,
         "clip_frac": statistics.mean(clip_fracs) if clip_fracs else 0.0,
         "grad_norm": statistics.mean(grad_norms) if grad_norms else None,
         "lr": s.scheduler.get_last_lr()[0],
-        "kept_groups_frac": keep.float().mean().item(),
+        "kept_groups_frac": sum(p["kept"] for p in parts) / len(resp),
         "skipped_updates": s.bad_steps,
-        **s.scorer.counts(),
-        "weights_sha": weights,
+        **{k: sum(p["scorer"][k] for p in parts) for k in parts[0]["scorer"]},
+        "weights_sha": weights[0],
         "lengths": [int(x) for x in resp],
+        "timeline": [[r, name, round(a - start, 4), round(b - start, 4)]
+                     for r, p in enumerate(parts) for name, a, b in p["timeline"]],
     }
 
 
-@dataclass
-class MicroBatch:
-    key: int
-    rows: torch.Tensor  # sample indices
-    width: int  # ids[:, :width] holds every token these samples need
-    weights: torch.Tensor  # (len(rows), width - 1) aggregation weights of their response tokens
+def _weighted(parts: list[dict], key: str) -> float:
+    """Mean of per-worker (value, count) pairs weighted by count."""
+    n = sum(p[key][1] for p in parts)
+    return sum(p[key][0] * p[key][1] for p in parts) / n if n else 1.0
 
 
-def update_plan(response_mask: torch.Tensor, minibatches: int, micro_batch_size: int, max_len: int,
-                aggregation, generator: torch.Generator) -> list[list[MicroBatch]]:
-    """Random minibatches (one optimizer step each), each cut into micro-batches of samples of
-    similar length trimmed to their longest: padding every sample to the step's longest
-    response would waste most of the compute on long-tailed lengths."""
-    needed = response_mask.shape[1] - response_mask.flip(1).int().argmax(1) + 1
-    needed[~response_mask.any(1)] = 2
-    plan, key = [], 0
-    for rows in torch.randperm(len(response_mask), generator=generator).chunk(minibatches):
-        weights = aggregation(response_mask[rows], max_len)
-        rows_by_len = torch.argsort(needed[rows], stable=True)
-        micro = []
-        for part in rows_by_len.split(micro_batch_size):
-            width = int(needed[rows[part]].max())
-            micro.append(MicroBatch(key, rows[part], width, weights[part, : width - 1]))
-            key += 1
-        plan.append(micro)
-    return plan
-
-
-def response_batch(batch, completions, pad_id: int):
-    """(ids, mask) with ids = prompt + response per sample, right-padded; mask[b, t] marks
-    position t whose next token (ids[b, t + 1]) is a response token, aligned with
-    token_log_probs(logits[:, :-1], ids[:, 1:])."""
-    seqs = [batch[c.prompt_index]["prompt_ids"] + c.token_ids for c in completions]
-    width = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width - 1, dtype=torch.bool)
-    for i, (seq, c) in enumerate(zip(seqs, completions)):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        prompt = len(seq) - len(c.token_ids)
-        mask[i, prompt - 1: len(seq) - 1] = True
-    return ids, mask
+def check_same_weights(checksums: list[tuple], step: int) -> None:
+    """Every worker's (policy, drafter) checksums equal worker 0's, or a TrainingError that
+    names the worker and the part: its engine would roll out with different weights."""
+    for rank, sums in enumerate(checksums[1:], start=1):
+        for part, mine, reference in zip(("policy", "drafter"), sums, checksums[0]):
+            if mine != reference:
+                raise TrainingError(f"after step {step}, worker {rank}'s {part} weights (sha {mine}) differ from "
+                                    f"worker 0's ({reference}): a stale or corrupted copy; the run stops here")
 
 
 def evaluate_greedy(s: RunState) -> float:
+    """Held-out greedy accuracy; each worker evaluates a shard."""
     rows = s.eval_rows
     if not rows:
         return float("nan")
-    params = SamplingParams(temperature=0, max_new_tokens=s.cfg.rollout.max_new_tokens)
-    completions, _ = s.engine.generate([r["prompt_ids"] for r in rows], params)
-    return sum(s.scorer.score(c.text, rows[c.prompt_index]["answer"]) for c in completions) / len(completions)
+    lo, hi = s.workers.shard(len(rows))
+    correct = 0.0
+    if hi > lo:
+        params = SamplingParams(temperature=0, max_new_tokens=s.cfg.rollout.max_new_tokens)
+        completions, _ = s.engine.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
+        correct = sum(s.scorer.score(c.text, rows[lo + c.prompt_index]["answer"]) for c in completions)
+    return s.workers.sum(torch.tensor(float(correct))).item() / len(rows)
 
 
 def _optimizer_factory(cfg: TrainConfig):
@@ -286,17 +329,35 @@ def _datasets(cfg: TrainConfig, tokenizer):
     return train, evals[: cfg.data.n_eval], skipped
 
 
-def setup(cfg: TrainConfig, resume: Path | None = None, log=print) -> RunState:
-    check_loggers(cfg.run.loggers)
-    run_dir = resume or Path(cfg.run.out_dir) / cfg.run.name
-    model_dir = Path(cfg.run.model) if cfg.run.model else None
-    if model_dir is None:
+def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
+    """Resolve the built-ins into paths, once, before workers load anything: the base model
+    (trained by `tailtamer sft` on first use) and its warm-up drafter."""
+    model = cfg.run.model
+    if model is None:
         from tailtamer.sft import SFTConfig, ensure_base_model
 
-        model_dir = ensure_base_model(SFTConfig(), log=log)
+        model = str(ensure_base_model(SFTConfig(), log=log))
+    spec = cfg.spec
+    if spec.drafter == "builtin" and spec.mode != "off":
+        from tailtamer.drafter.train import ensure_builtin_drafter
+
+        drafter_dir = ensure_builtin_drafter(Path(model), load_model(model), load_tokenizer(model), log=log)
+        spec = replace(spec, drafter=str(drafter_dir))
+    return replace(cfg, run=replace(cfg.run, model=model), spec=spec)
+
+
+def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Workers | None = None) -> RunState:
+    """Load everything a worker needs for `cfg` (already `prepare`d)."""
+    workers = workers or Workers()
+    check_loggers(cfg.run.loggers)
+    run_dir = resume or Path(cfg.run.out_dir) / cfg.run.name
+    model_dir = Path(cfg.run.model)
     tokenizer = load_tokenizer(model_dir)
     scorer = RewardScorer(resolve_reward(cfg.rl.reward), cfg.rl.reward_timeout_s)
     train_rows, eval_rows, skipped = _datasets(cfg, tokenizer)
+    if len(train_rows) < workers.world:
+        raise ConfigError(f"run.workers: {workers.world} workers but only {len(train_rows)} training prompts "
+                          f"in {cfg.data.train}; every worker needs a prompt to roll out")
     make_opt = _optimizer_factory(cfg)
     state = {"step": 0}
     if resume is not None:
@@ -309,14 +370,18 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print) -> RunState:
     ref_model = load_model(model_dir).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                     **make_speculator(cfg.spec, model))
-    spot = None
-    # With one worker, a drafter that never trains needs no buffer: nothing fills it.
-    if cfg.drafter.train and cfg.drafter.single_worker == "window" and isinstance(engine.proposer, EagleProposer):
-        spot = SpotTrainer(engine.proposer.drafter, DataBuffer(cfg.drafter.buffer_mb << 20), cfg.drafter, cfg.run.seed)
+    spot = frozen = None
+    # With one worker and no training window, nothing would fill a buffer.
+    trains = workers.world > 1 or cfg.drafter.single_worker == "window"
+    if cfg.drafter.train and trains and isinstance(engine.proposer, EagleProposer):
+        spot = SpotTrainer(engine.proposer.drafter, DataBuffer(cfg.drafter.buffer_mb << 20), cfg.drafter,
+                           cfg.run.seed * 1009 + workers.rank)
         if resume is not None and (checkpoint / "drafter").is_dir():
             engine.proposer.drafter.load_state_dict(load_drafter(checkpoint / "drafter", model).state_dict())
+        if cfg.drafter.compare_frozen:
+            frozen = load_drafter(cfg.spec.drafter, model)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
-                    ref_model, spot, step=state["step"], skipped_prompts=skipped)
+                    workers, ref_model, spot, frozen, step=state["step"], skipped_prompts=skipped)
 
 
 def _write_run_files(s: RunState) -> None:
@@ -335,31 +400,44 @@ def _keep_metrics_before(path: Path, step: int) -> list[dict]:
 
 
 def _checkpoint(s: RunState) -> None:
+    """Worker 0 writes it: every worker holds the same weights (checked each step)."""
+    if not s.workers.is_main:
+        return
     extra = None if s.spot is None else (lambda tmp: save_drafter(s.spot.drafter, tmp / "drafter"))
     save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, s.optimizer, s.scheduler,
                     {"weights_sha": weights_checksum(s.model)}, extra=extra)
 
 
-def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print) -> dict:
-    """Run (or resume) `cfg`; `console=None` shows a progress bar with the step lines above it."""
-    s = setup(cfg, resume, log)
-    if resume is None:
-        _write_run_files(s)
-    s.history = _keep_metrics_before(s.run_dir / "metrics.jsonl", s.step)
+def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print,
+          workers: Workers | None = None) -> dict | None:
+    """Run (or resume) `cfg` as this worker (one worker by default); `console=None` shows a
+    progress bar with the step lines above it. Worker 0 writes every file and returns the
+    summary; the others return None."""
+    w = workers or Workers()
+    if not w.is_main:
+        log = console = _silent
+    cfg = w.share(lambda: prepare(cfg, log))
+    s = setup(cfg, resume, log, w)
+    if w.is_main:
+        if resume is None:
+            _write_run_files(s)
+        s.history = _keep_metrics_before(s.run_dir / "metrics.jsonl", s.step)
     if s.skipped_prompts:
         log(f"skipped {s.skipped_prompts} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     if s.step == 0 and cfg.run.eval_every:
         s.eval_at_start = evaluate_greedy(s)
+    w.sum(torch.zeros(1))  # start the first step together, so its timeline compares workers
     t0 = time.perf_counter()
-    out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console)
+    out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console) if w.is_main else None
     try:
         while s.step < cfg.run.steps:
             row = rl_step(s)
             s.step += 1
             if cfg.run.eval_every and (s.step % cfg.run.eval_every == 0 or s.step == cfg.run.steps):
                 row["eval_accuracy"] = evaluate_greedy(s)
-            out.log(row)
             s.history.append(row)
+            if out is not None:
+                out.log(row)
             if s.bad_steps >= cfg.run.max_bad_steps > 0:
                 _checkpoint(s)
                 raise TrainingError(f"{s.bad_steps} non-finite losses in a row at step {s.step}; "
@@ -367,10 +445,39 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
             if (cfg.run.save_every and s.step % cfg.run.save_every == 0) or s.step == cfg.run.steps:
                 _checkpoint(s)
     finally:
-        out.close()
+        if out is not None:
+            out.close()
+    if not w.is_main:
+        return None
+    counts = {k: s.history[-1][k] if s.history else 0 for k in s.scorer.counts()}  # summed over workers
     summary = run_summary(s.history, s.eval_at_start, time.perf_counter() - t0, run_dir=str(s.run_dir),
-                          skipped_prompts=s.skipped_prompts, **s.scorer.counts())
+                          workers=w.world, skipped_prompts=s.skipped_prompts, **counts)
     atomic_write_json(s.run_dir / "summary.json", summary)
     if s.history:
         plot_rl_curves(s.history, s.run_dir / "curves.png", s.eval_at_start)
+        plot_worker_timeline(s.history[-1], s.run_dir / "timeline.png")
     return summary
+
+
+def _silent(*_args) -> None:
+    pass
+
+
+def run_worker(cfg: TrainConfig, resume: Path | None, console) -> dict | None:
+    """One worker of a multi-process run (spawned locally or started by torchrun)."""
+    workers = Workers.from_env(cfg.run.dist_timeout_s)
+    try:
+        return train(cfg, resume, console=console, workers=workers)
+    finally:
+        workers.close()
+
+
+def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict | None:
+    """`tailtamer train`: this process as one worker of a torchrun job, or `run.workers` local
+    worker processes (one per core by default), or, with one worker, this process alone."""
+    if "WORLD_SIZE" in os.environ:
+        return run_worker(cfg, resume, console)
+    world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step)
+    if world == 1:
+        return train(cfg, resume, console=console)
+    return spawn(world, run_worker, (cfg, resume, console), str(resume or Path(cfg.run.out_dir) / cfg.run.name))

@@ -68,6 +68,13 @@ class Completion:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
 
 
+def mean_accept_len(hist: dict[int, int]) -> float:
+    """Tokens emitted per request per target forward while speculating (1.0 without SD), from
+    a histogram {tokens emitted: request-steps}."""
+    n = sum(hist.values())
+    return sum(k * v for k, v in hist.items()) / n if n else 1.0
+
+
 @dataclass
 class RolloutStats:
     tokens: int = 0
@@ -107,9 +114,7 @@ class RolloutStats:
 
     @property
     def accept_len_mean(self) -> float:
-        """Tokens emitted per request per target forward while speculating (1.0 without SD)."""
-        n = sum(self.accept_lens.values())
-        return sum(k * v for k, v in self.accept_lens.items()) / n if n else 1.0
+        return mean_accept_len(self.accept_lens)
 
     def summary(self) -> dict:
         n = sum(self.accept_lens.values())
@@ -165,8 +170,10 @@ class Engine:
         return c
 
     def make_requests(self, prompts: list[list[int]], params: SamplingParams,
-                      labels: list[str] | None = None) -> list[Request]:
-        """Validate every prompt before any work starts; errors name `labels[i]` (e.g. file:row)."""
+                      labels: list[str] | None = None, first_index: int = 0) -> list[Request]:
+        """Validate every prompt before any work starts; errors name `labels[i]` (e.g. file:row).
+        Prompt i samples from the stream of (params.seed, first_index + i, sample): a worker
+        given a shard of a batch samples exactly what one engine given the whole batch would."""
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer; pass one to Engine")
         requests = []
@@ -178,16 +185,16 @@ class Engine:
                 raise DataError(f"{where}: prompt has {len(ids)} tokens; the context holds {self.max_seq_len} "
                                 f"(prompt + at least one new token)")
             new = min(params.max_new_tokens, self.max_seq_len - len(ids))
-            requests += [Request(i, j, list(ids), request_generator(params.seed, i, j, self.model.device), new)
+            requests += [Request(i, j, list(ids), request_generator(params.seed, first_index + i, j, self.model.device), new)
                          for j in range(params.n)]
         return requests
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 labels: list[str] | None = None) -> tuple[list[Completion], RolloutStats]:
+                 labels: list[str] | None = None, first_index: int = 0) -> tuple[list[Completion], RolloutStats]:
         if not prompts:
             raise DataError("no prompts to generate from")
-        requests = self.make_requests(prompts, params, labels)
+        requests = self.make_requests(prompts, params, labels, first_index)
         slots = min(self.config.max_batch_size, len(requests))
         longest = max(r.budget for r in requests)
         if self.proposer is not None:

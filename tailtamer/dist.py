@@ -1,0 +1,255 @@
+"""Workers on torch.distributed: one process per worker, coordination state in the c10d store.
+
+On one machine `tailtamer train` spawns `run.workers` local processes; across machines the
+same worker code runs under `torchrun` (it reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+from the environment either way). Collectives use gloo on CPU.
+
+What goes through the store rather than collectives: each worker's state (BUSY while it
+generates, TRAINING while it spot-trains the drafter, IDLE while it waits, DONE at the end),
+and a per-step counter of workers whose rollout shard is finished. A worker that finishes
+early polls that counter between drafter steps, which is how spot training is preempted
+within one drafter step of the last rollout's end, without any RPC. The last worker to finish
+also writes the wall-clock time it finished, so the others can measure their preemption
+latency against it.
+
+With one worker there is no process group: every collective below is the identity.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tailtamer.errors import TailtamerError
+
+STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
+
+
+class WorkerError(TailtamerError):
+    """A worker failed or died; the message says which and where the last checkpoint is."""
+
+
+class Workers:
+    """This process's place in the worker group, and the few operations the RL step needs."""
+
+    def __init__(self, rank: int = 0, world: int = 1, store: dist.Store | None = None, timeout_s: float = 300.0):
+        self.rank, self.world, self.store = rank, world, store
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    @classmethod
+    def from_env(cls, timeout_s: float) -> "Workers":
+        """Join the group described by the torchrun-style environment (one worker without it)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        rank = int(os.environ["RANK"])
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        store.set_timeout(timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                                timeout=timeout)
+        return cls(rank, world, dist.PrefixStore("tailtamer", store), timeout_s)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        if self.world > 1:
+            self.set_state("DONE")
+            dist.destroy_process_group()
+
+    # --- data -----------------------------------------------------------------------------
+
+    def shard(self, n: int) -> tuple[int, int]:
+        """This worker's contiguous share [lo, hi) of n items (sizes differ by at most one).
+        Contiguous, so global item indices (which key the sampling streams) stay lo + i."""
+        return n * self.rank // self.world, n * (self.rank + 1) // self.world
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ over workers (a new tensor)."""
+        x = x.clone()
+        if self.world > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather(self, obj) -> list:
+        """[obj of worker 0, obj of worker 1, ...] on every worker."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def share(self, make: Callable[[], object]):
+        """Worker 0 computes `make()` (may take long: the base model's SFT), the others wait for
+        it in the store, without the collective timeout."""
+        if self.world == 1:
+            return make()
+        if self.is_main:
+            value = make()
+            self.store.set("shared", pickle.dumps(value))
+            return value
+        self.store.wait(["shared"], datetime.timedelta(hours=2))
+        return pickle.loads(self.store.get("shared"))
+
+    # --- the update -----------------------------------------------------------------------
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter], extra: torch.Tensor) -> torch.Tensor:
+        """Sum every parameter's gradient (missing ones count as zero) and `extra` over the
+        workers in one all-reduce; returns the summed `extra`. Data-parallel SGD by hand rather
+        than the DDP wrapper: workers run different numbers of micro-batches (long-tailed
+        lengths), which DDP's per-backward hooks would need Join for, and one flat all-reduce
+        per optimizer step is all the communication a sum needs."""
+        if self.world == 1:
+            return extra
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params]
+                         + [extra.float().flatten()])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset: offset + n].view_as(p).to(p.dtype)
+            offset += n
+        return flat[offset:].view_as(extra)
+
+    def average_(self, module: torch.nn.Module, weight: float) -> None:
+        """Make `module` identical on every worker: θ ← Σ_r w_r θ_r / Σ_r w_r with w_r the
+        drafter steps worker r took this step (local-SGD averaging; a worker that did not train
+        adds nothing, and if none trained nothing changes)."""
+        if self.world == 1:
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        flat = torch.cat([p.detach().float().flatten() * weight for p in params] + [torch.tensor([float(weight)])])
+        dist.all_reduce(flat)
+        total = flat[-1].item()
+        if total == 0:
+            return
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                p.copy_((flat[offset: offset + n] / total).view_as(p))
+                offset += n
+
+    # --- coordination state in the store --------------------------------------------------
+
+    def set_state(self, state: str) -> None:
+        assert state in STATES, state
+        if self.store is not None:
+            self.store.set(f"state/{self.rank}", state)
+
+    def states(self) -> list[str]:
+        if self.store is None:
+            return []
+        return [self.store.get(f"state/{r}").decode() for r in range(self.world)]
+
+    def finish_rollout(self, step: int) -> None:
+        """Count this worker's rollout shard of `step` as done; the last one stamps the time."""
+        if self.store is None:
+            return
+        if self.store.add(f"rollout/{step}", 1) == self.world:
+            self.store.set(f"rollout/{step}/end", repr(time.time()))
+
+    def rollout_over(self, step: int) -> bool:
+        """True once every worker has finished its rollout shard of `step` (non-blocking)."""
+        return self.store is None or self.store.check([f"rollout/{step}/end"])
+
+    def wait_rollout(self, step: int) -> float:
+        """Block until every shard of `step` is done; the wall-clock time the last one ended."""
+        if self.store is None:
+            return time.time()
+        self.store.wait([f"rollout/{step}/end"])
+        return float(self.store.get(f"rollout/{step}/end"))
+
+
+def resolve_workers(requested: int, prompts_per_step: int) -> int:
+    """`run.workers`: 0 = one per CPU core, never more than there are prompts to shard."""
+    n = requested or (os.cpu_count() or 1)
+    return max(1, min(n, prompts_per_step))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_with_parent() -> None:
+    """A worker must not outlive its launcher (e.g. one killed with SIGKILL): an orphan would
+    go on writing into the run directory."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _spawned(rank: int, world: int, port: int, entry: Callable, args: tuple, results) -> None:
+    _exit_with_parent()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        value = entry(*args)
+    except TailtamerError as e:  # a clear message for the launcher to show, not a traceback
+        results.put(("error", rank, str(e)))
+        raise
+    if rank == 0:
+        results.put(("ok", rank, value))
+
+
+def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
+    """Run `entry(*args)` in `world` local worker processes and return worker 0's result. If
+    one raises or dies, the others are stopped and a WorkerError says which and what;
+    checkpoints are written atomically, so the last one in `run_dir` stays valid."""
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").SimpleQueue()
+    procs = mp.start_processes(_spawned, args=(world, _free_port(), entry, args, results), nprocs=world,
+                               join=False, start_method="spawn")
+    resume = f"the last checkpoint in {run_dir}/checkpoints stays valid (tailtamer train --resume {run_dir})"
+    value, reported = None, {}
+
+    def drain():
+        nonlocal value
+        while not results.empty():
+            kind, rank, payload = results.get()
+            if kind == "ok":
+                value = (payload,)
+            else:
+                reported[rank] = payload
+
+    try:
+        while not procs.join(timeout=0.5):
+            drain()
+    except mp.ProcessExitedException as e:
+        raise WorkerError(f"worker {e.error_index} died ({_exit_reason(e.exit_code)}); "
+                          f"the other workers were stopped; {resume}") from None
+    except mp.ProcessRaisedException as e:
+        drain()
+        message = reported.get(e.error_index) or e.msg.strip().splitlines()[-1]
+        raise WorkerError(f"worker {e.error_index}: {message}") from None
+    drain()
+    if value is None:
+        raise WorkerError("worker 0 ended without a result")
+    return value[0]
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        import signal
+
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"

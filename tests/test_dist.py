@@ -1,0 +1,158 @@
+"""Multi-process runs: 2 gloo workers on CPU (idle detection, preemption, publish checksums,
+data-parallel update equality, a dying worker), and the pure pieces of tailtamer/dist.py."""
+
+import datetime
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tailtamer.config import load_train_config
+from tailtamer.dist import WorkerError, Workers, spawn
+from tailtamer.rl.trainer import TrainingError, check_same_weights, run_worker, train
+from test_trainer import TIME_FIELDS, _comparable, _rows
+
+SLOW_S = 0.8  # extra rollout time of worker 1: the long-tail shard
+
+
+def quiet(*_args) -> None:
+    pass
+
+
+def uneven_worker(cfg, resume, kill_at_rollout=None):
+    """run_worker, except that worker 1's rollouts take SLOW_S longer (it has the long tail);
+    halfway through its wait it records the state worker 0 reports in the c10d store; at
+    rollout number `kill_at_rollout` it kills itself with SIGKILL."""
+    from tailtamer.rollout.engine import Engine
+
+    if os.environ["RANK"] == "1":
+        original, rollouts = Engine.generate, []
+        store = torch.distributed.PrefixStore("tailtamer", torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=datetime.timedelta(seconds=30)))
+
+        def slow_generate(self, prompts, params, labels=None, first_index=0):
+            out = original(self, prompts, params, labels, first_index)
+            if params.temperature > 0:  # a rollout, not the greedy evaluation
+                rollouts.append(1)
+                time.sleep(SLOW_S / 2)
+                if len(rollouts) == kill_at_rollout:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                with open(os.path.join(cfg.run.out_dir, cfg.run.name, "peer_states.txt"), "a") as f:
+                    f.write(store.get("state/0").decode() + "\n")
+                time.sleep(SLOW_S / 2)
+            return out
+
+        Engine.generate = slow_generate
+    return run_worker(cfg, resume, quiet)
+
+
+@pytest.fixture
+def drafter_dir(model_dir, tmp_path):
+    from tailtamer.model.drafter import init_drafter, save_drafter
+    from tailtamer.model.io import load_model
+
+    out = tmp_path / "drafter"
+    save_drafter(init_drafter(load_model(model_dir), seed=3), out)
+    return out
+
+
+def test_idle_worker_spot_trains_is_preempted_and_publishes(toy, drafter_dir, tmp_path):
+    cfg = load_train_config(None, toy + ["run.steps=4", "run.name=spot2", "run.save_every=4", "run.workers=2",
+                                         "spec.mode=on", f"spec.drafter={drafter_dir}", "spec.strategy=2_1_3",
+                                         "drafter.max_steps=100000", "drafter.tokens_per_step=64"])
+    run = tmp_path / "runs" / "spot2"
+    summary = spawn(2, uneven_worker, (cfg, None), str(run))
+    assert summary["workers"] == 2
+    rows = _rows(run)
+    assert [r["workers"] for r in rows] == [2] * 4
+    # Worker 0 finishes first every step; from step 1 on (the buffer holds step 0's data) it
+    # trains the drafter while worker 1 generates, and stops soon after worker 1 is done:
+    # long before its step limit (100000 steps would take minutes).
+    assert all(r["idle_worker_s"] > SLOW_S / 2 for r in rows)
+    assert rows[0]["drafter_steps"] == 0
+    for r in rows[1:]:
+        assert r["drafter_steps"] > 0 and r["drafter_loss"] > 0
+        assert 0 <= r["drafter_preempt_s"] < SLOW_S / 4
+        spans = {(w, phase) for w, phase, *_ in r["timeline"]}
+        assert (0, "spot") in spans and (1, "spot") not in spans
+    states = (run / "peer_states.txt").read_text().split()
+    assert states[0] in ("IDLE", "TRAINING") and set(states[1:]) == {"TRAINING"}
+    # Published: one new drafter per step that both engines run (compared every step, or the
+    # run would have stopped), and it is the one checkpointed.
+    shas = [r["drafter_sha"] for r in rows]
+    assert len(set(shas)) == 4
+    from tailtamer.model.drafter import load_drafter, weights_checksum
+    from tailtamer.model.io import load_model
+
+    saved = run / "checkpoints" / "step-000004"
+    assert weights_checksum(load_drafter(saved / "drafter", load_model(saved))) == shas[-1]
+    # The adaptive drafter is compared with the frozen warm-up drafter on the same data.
+    assert all(r["accept_len_est_frozen"] >= 1.0 and r["accept_len_est"] >= 1.0 for r in rows)
+    assert rows[0]["accept_len_est"] == rows[0]["accept_len_est_frozen"]  # nothing trained yet
+    assert (run / "timeline.png").is_file()
+
+
+def test_two_workers_roll_out_and_update_like_one(toy, tmp_path):
+    base = toy + ["run.steps=1", "rl.minibatches=1", "rl.micro_batch_size=5"]
+    one = train(load_train_config(None, base + ["run.name=one"]), log=quiet, console=quiet)
+    two = spawn(2, run_worker, (load_train_config(None, base + ["run.name=two", "run.workers=2"]), None, quiet),
+                str(tmp_path / "runs" / "two"))
+    assert one["workers"] == 1 and two["workers"] == 2
+    a, b = _rows(tmp_path / "runs" / "one")[0], _rows(tmp_path / "runs" / "two")[0]
+    # The same samples (each prompt keeps its sampling stream on whichever worker has it) ...
+    assert a["lengths"] == b["lengths"] and a["reward_mean"] == b["reward_mean"]
+    # ... and the same update: gradients summed over workers with globally normalised token
+    # weights equal the single worker's (up to float summation order).
+    for key in ("loss", "grad_norm", "clip_frac"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+
+
+def test_a_dying_worker_stops_the_run_and_the_checkpoint_resumes(toy, tmp_path):
+    common = toy + ["run.save_every=2", "rl.lr=1e-3", "run.workers=2", "run.dist_timeout_s=60"]
+    run = tmp_path / "runs" / "dies"
+    cfg = load_train_config(None, common + ["run.steps=6", "run.name=dies"])
+    start = time.time()
+    with pytest.raises(WorkerError, match=r"worker 1 died \(killed by SIGKILL\).*stays valid"):
+        spawn(2, uneven_worker, (cfg, None, 5), str(run))  # dies in its 5th rollout
+    assert time.time() - start < 60  # stopped by the launcher, not by the collective timeout
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest in ("step-000002", "step-000004") and (run / "checkpoints" / latest / "state.json").is_file()
+    spawn(2, run_worker, (load_train_config(run / "config.yaml", []), run, quiet), str(run))
+    whole = load_train_config(None, common + ["run.steps=6", "run.name=whole"])
+    spawn(2, run_worker, (whole, None, quiet), str(tmp_path / "runs" / "whole"))
+    assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "whole"))
+    assert TIME_FIELDS <= set(_rows(run)[0])
+
+
+def test_a_worker_error_is_reported_with_its_message(toy, tmp_path):
+    cfg = load_train_config(None, toy + ["run.steps=1", "run.workers=2", "rl.reward=no_such_module:f"])
+    with pytest.raises(WorkerError, match=r"worker \d: .*no_such_module"):
+        spawn(2, run_worker, (cfg, None, quiet), str(tmp_path / "runs" / "x"))
+
+
+def test_shards_are_contiguous_and_cover_everything():
+    for world in (1, 2, 3, 5):
+        for n in (world, 7, 16):
+            shards = [Workers(rank, world).shard(n) for rank in range(world)]
+            assert shards[0][0] == 0 and shards[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
+            sizes = [hi - lo for lo, hi in shards]
+            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_one_worker_collectives_are_the_identity():
+    w = Workers()
+    x = torch.arange(3.0)
+    assert torch.equal(w.sum(x), x) and w.gather("a") == ["a"] and w.rollout_over(0)
+    assert w.share(lambda: 5) == 5
+
+
+def test_diverged_weights_are_detected():
+    check_same_weights([("p", "d"), ("p", "d")], step=3)
+    with pytest.raises(TrainingError, match="worker 1's drafter weights .* differ"):
+        check_same_weights([("p", "d"), ("p", "x")], step=3)
+    with pytest.raises(TrainingError, match="worker 2's policy"):
+        check_same_weights([("p", None), ("p", None), ("q", None)], step=3)
