@@ -235,3 +235,56 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
                               f"adaptive rollout: {prompts}x{n} samples, SD at <= {threshold} running")
         report["plot"] = plot
     return report
+
+
+def _quiet(*_args) -> None:
+    pass
+
+
+def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-train",
+                overrides: tuple[str, ...] = ()) -> dict:
+    """The whole RL step of the built-in default job (this machine's default workers, adaptive
+    SD, adaptive drafter) against the same job with SD off (`spec.mode=off`), run after run,
+    alternating. Same seeds: SD is lossless, so the two reward curves should agree step for
+    step (float32 verification may round a rare token differently). The step-time ratio is a
+    median over every step of every repetition."""
+    import json
+    import shutil
+
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.trainer import launch
+
+    arms = {"sd": [], "off": ["spec.mode=off"]}
+    rows: dict[str, list[list[dict]]] = {k: [] for k in arms}
+    for r in range(repeats):
+        for name, extra in arms.items():
+            cfg = load_train_config(None, [f"run.steps={steps}", f"run.name={name}-{r}", f"run.out_dir={out_dir}",
+                                           "run.eval_every=0", "run.save_every=0", *overrides, *extra])
+            run_dir = Path(out_dir) / cfg.run.name
+            shutil.rmtree(run_dir, ignore_errors=True)
+            launch(cfg, console=_quiet)
+            rows[name].append([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+
+    def median(name, key):
+        return statistics.median(row[key] for run in rows[name] for row in run)
+
+    sd, off = rows["sd"][0], rows["off"][0]
+    return {
+        "steps": steps, "repeats": repeats, "workers": sd[0]["workers"], "overrides": list(overrides),
+        "step_s_median": {k: round(median(k, "step_s"), 3) for k in arms},
+        "rollout_s_median": {k: round(median(k, "rollout_s"), 3) for k in arms},
+        "step_speedup": round(median("off", "step_s") / median("sd", "step_s"), 3),
+        "rollout_speedup": round(median("off", "rollout_s") / median("sd", "rollout_s"), 3),
+        "reward_mean": {k: round(statistics.mean(row["reward_mean"] for row in rows[k][0]), 4) for k in arms},
+        "steps_with_equal_rewards": sum(a["reward_mean"] == b["reward_mean"] for a, b in zip(sd, off)) / steps,
+        "reward_max_abs_diff": max(abs(a["reward_mean"] - b["reward_mean"]) for a, b in zip(sd, off)),
+        "sd_tokens_frac_median": round(median("sd", "sd_tokens_frac"), 3),
+        "accept_len": [round(row["accept_len_mean"], 3) for row in sd],
+        "accept_len_est_adaptive": [round(row["accept_len_est"], 3) for row in sd],
+        "accept_len_est_frozen": [round(row["accept_len_est_frozen"], 3) for row in sd
+                                  if row["accept_len_est_frozen"] is not None],
+        "idle_worker_s_median": round(median("sd", "idle_worker_s"), 3),
+        "drafter_train_s_median": round(median("sd", "drafter_train_s"), 3),
+        "drafter_preempt_s_max": max((row["drafter_preempt_s"] or 0.0) for run in rows["sd"] for row in run),
+        "run_dirs": {k: str(Path(out_dir) / f"{k}-0") for k in arms},
+    }

@@ -138,11 +138,15 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from tailtamer.bench import bench_decode, bench_random_model, bench_rollout, bench_sd
+    from tailtamer.bench import bench_decode, bench_random_model, bench_rollout, bench_sd, bench_train
 
     if args.preset and args.model:
         raise TailtamerError("give --model or --preset, not both")
-    if args.what == "rollout":
+    if args.what == "train":
+        if args.model or args.preset:
+            raise TailtamerError("bench train runs the built-in default job; change it with --set key=value")
+        report = bench_train(args.steps, args.repeats, overrides=tuple(args.set))
+    elif args.what == "rollout":
         report = bench_rollout(args.model, repeats=args.repeats)
     elif args.what == "sd":
         if args.preset:
@@ -234,12 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks; prints a JSON report of ratios")
-    b.add_argument("what", choices=["decode", "sd", "rollout"])
+    b.add_argument("what", choices=["decode", "sd", "rollout", "train"])
     b.add_argument("--model", help="model directory (default: the built-in base model)")
     b.add_argument("--preset", help="benchmark a random model of this preset size instead")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--out", help="also write the report here")
+    b.add_argument("--steps", type=int, default=10, help="train: RL steps per run")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="train: a config override (repeatable)")
     b.set_defaults(func=cmd_bench)
     return p
 

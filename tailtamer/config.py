@@ -105,6 +105,7 @@ class RLConfig:
     ppo_epochs: int = f(1, "passes over each rollout")
     minibatches: int = f(2, "optimizer steps per pass (random subsets of the step's samples)")
     micro_batch_size: int = f(32, "samples per forward; a minibatch accumulates gradients over its micro-batches")
+    micro_batch_tokens: int = f(4096, "padded tokens per forward at most (long samples go fewer to a micro-batch)")
     grad_clip: float = f(1.0, "gradient norm clip")
     dynamic_sampling: bool = f(False, "drop groups whose rewards all agree (DAPO)")
     overlong: str = f("none", "truncated responses: none, mask (no loss), or penalty (DAPO soft punishment)")
@@ -120,7 +121,7 @@ class RLConfig:
             raise ConfigError(f"rl.overlong must be none, mask or penalty, got {self.overlong!r}")
         if not self.lr > 0 or self.kl_coef < 0:
             raise ConfigError(f"rl: need lr > 0 and kl_coef >= 0, got {self.lr}, {self.kl_coef}")
-        at_least(self, "rl", 1, "ppo_epochs", "minibatches", "micro_batch_size")
+        at_least(self, "rl", 1, "ppo_epochs", "minibatches", "micro_batch_size", "micro_batch_tokens")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
             raise ConfigError(f"rl: clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
 

@@ -89,6 +89,28 @@ class Workers:
         dist.all_gather_object(out, obj)
         return out
 
+    def rebalance(self, ids: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, pad_id: int):
+        """Re-deal the step's samples for the update so every worker gets about as many tokens
+        (`balanced_shares` over every worker's samples): each worker rolled out its own
+        prompts, and on long-tailed lengths one of them would otherwise hold the longest
+        responses and keep the rest waiting at every gradient all-reduce (verl's
+        balance_batch). Rows travel trimmed to what they need; returns this worker's
+        (ids, mask, advantages)."""
+        if self.world == 1:
+            return ids, mask, advantages
+        from tailtamer.rl.batching import balanced_shares, needed_width
+
+        needed = needed_width(mask).tolist()
+        mine = [(ids[i, :n], mask[i, : n - 1], advantages[i]) for i, n in enumerate(needed)]
+        rows = [row for part in self.gather(mine) for row in part]
+        share = balanced_shares([len(r[0]) for r in rows], self.world)[self.rank]
+        width = max(len(rows[i][0]) for i in share)
+        out_ids = torch.full((len(share), width), pad_id, dtype=ids.dtype)
+        out_mask = torch.zeros(len(share), width - 1, dtype=torch.bool)
+        for j, i in enumerate(share):
+            out_ids[j, : len(rows[i][0])], out_mask[j, : len(rows[i][1])] = rows[i][0], rows[i][1]
+        return out_ids, out_mask, torch.stack([rows[i][2] for i in share])
+
     def share(self, make: Callable[[], object]):
         """Worker 0 computes `make()` (may take long: the base model's SFT), the others wait for
         it in the store, without the collective timeout."""

@@ -113,3 +113,32 @@ def plot_worker_timeline(row: dict, path: str | Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def plot_accept_lengths(history: list[dict], path: str | Path) -> Path:
+    """Accept length per RL step: measured in the rollout (adaptive drafter, SD steps only)
+    and estimated on each step's fresh responses for the adaptive drafter and for a frozen
+    copy of the warm-up drafter (the same data for both); drafter loss on the right axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] + 1 for r in history]
+    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=110)
+    ax.plot(steps, [r["accept_len_est"] for r in history], "o-", label="adaptive drafter (estimate)")
+    ax.plot(steps, [r["accept_len_est_frozen"] for r in history], "s--", label="frozen warm-up drafter (estimate)")
+    ax.plot(steps, [r["accept_len_mean"] for r in history], ".:", label="adaptive drafter (measured in rollout)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("accept length (tokens / verify)")
+    losses = [(s, r["drafter_loss"]) for s, r in zip(steps, history) if r["drafter_loss"] is not None]
+    if losses:
+        right = ax.twinx()
+        right.plot(*zip(*losses), color="gray", alpha=0.5, linewidth=1, label="drafter loss")
+        right.set_ylabel("drafter loss", color="gray")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

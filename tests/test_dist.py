@@ -11,6 +11,7 @@ import torch
 
 from tailtamer.config import load_train_config
 from tailtamer.dist import WorkerError, Workers, spawn
+from tailtamer.rl.batching import balanced_shares
 from tailtamer.rl.trainer import TrainingError, check_same_weights, run_worker, train
 from test_trainer import TIME_FIELDS, _comparable, _rows
 
@@ -141,6 +142,16 @@ def test_shards_are_contiguous_and_cover_everything():
             assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
             sizes = [hi - lo for lo, hi in shards]
             assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_balanced_shares_deal_out_long_tailed_costs():
+    costs = [320, 30, 28, 300, 25, 40, 35, 290, 22, 31, 27, 26]
+    shares = balanced_shares(costs, 3)
+    assert sorted(i for share in shares for i in share) == list(range(len(costs)))
+    loads = [sum(costs[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= max(costs)  # LPT: no worker beyond one item over another
+    assert all(len([i for i in share if costs[i] >= 290]) == 1 for share in shares)  # one long each
+    assert balanced_shares(costs, 3) == shares and balanced_shares(costs, 1) == [list(range(len(costs)))]
 
 
 def test_one_worker_collectives_are_the_identity():

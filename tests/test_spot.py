@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tailtamer.drafter.buffer import DataBuffer, Entry, pairs
-from tailtamer.drafter.spot import SpotConfig, SpotTrainer, acceptance_rate, expected_accept_length
+from tailtamer.drafter.spot import (SpotConfig, SpotTrainer, acceptance_rate, estimate_accept_length,
+                                    expected_accept_length)
 from tailtamer.drafter.train import pack
 from tailtamer.errors import ConfigError
 from tailtamer.model.drafter import init_drafter, load_drafter, weights_checksum
@@ -164,6 +165,26 @@ def test_acceptance_rate_and_expected_accept_length():
     mask = torch.tensor([[True, True, True, False]])
     # starts: t0 → 1 + .5 + .25 = 1.75; t1 → 1 + .5 + .25 = 1.75; t2 → 1 + .5 + 0 (α_3 masked) = 1.5
     assert expected_accept_length(alpha, mask, depth=2) == pytest.approx((1.75 + 1.75 + 1.5) / 3)
+
+
+def test_accept_length_estimate_packs_without_chains_across_samples():
+    """Packed in groups, the estimate equals the position-weighted mean of each entry's own
+    estimate (a chain never runs into the next sample), and it ranks drafters: the trained
+    one beats the random one it started from."""
+    target = random_model()
+    drafter = init_drafter(target, seed=1)
+    entries = list(_buffer_from_target(target, n=6).entries)
+    whole, n = estimate_accept_length(drafter, entries, depth=3, budget=10**6, group_tokens=50)
+    alone = [estimate_accept_length(drafter, [e], depth=3) for e in entries]
+    assert n == sum(k for _, k in alone) == 12 * 19  # 12 entries, 19 response pairs each
+    assert whole == pytest.approx(sum(v * k for v, k in alone) / n, rel=1e-5)
+    strided, m = estimate_accept_length(drafter, entries, depth=3, budget=100)
+    assert m < n and strided >= 1.0
+    buf = _buffer_from_target(target, n=6)
+    trainer = SpotTrainer(drafter, buf, SpotConfig(tokens_per_step=256, lr=3e-3, max_steps=40))
+    before = estimate_accept_length(init_drafter(target, seed=1), entries, depth=3)[0]
+    trainer.train(lambda: False)
+    assert estimate_accept_length(drafter, entries, depth=3)[0] > before
 
 
 def test_spot_config_rejects_bad_values():

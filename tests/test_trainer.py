@@ -105,9 +105,10 @@ def test_micro_batching_does_not_change_the_update(toy, tmp_path):
 
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         grads = []
-        for micro in (1, 3, 32):
+        for micro, tokens in ((1, 4096), (3, 4096), (32, 4096), (32, 20)):  # 20 tokens: 2-3 samples each
             cfg = load_train_config(None, toy + ["rl.minibatches=1", f"rl.micro_batch_size={micro}", "rl.lr=1e-2",
-                                                 f"rl.loss_agg={agg}", "rollout.max_new_tokens=6"])
+                                                 f"rl.micro_batch_tokens={tokens}", f"rl.loss_agg={agg}",
+                                                 "rollout.max_new_tokens=6"])
             s = setup(cfg, log=lambda _: None)
             rl_step(s)
             # One minibatch: .grad still holds the step's accumulated (clipped) gradient.
@@ -115,6 +116,26 @@ def test_micro_batching_does_not_change_the_update(toy, tmp_path):
         assert grads[0].abs().max() > 1e-4, agg
         for g in grads[1:]:
             assert torch.allclose(g, grads[0], rtol=1e-4, atol=1e-7), agg
+
+
+def test_micro_batches_respect_the_token_budget():
+    import torch
+
+    from tailtamer.rl.batching import needed_width, update_plan
+    from tailtamer.rl.grpo import token_mean
+
+    mask = torch.zeros(10, 99, dtype=torch.bool)
+    for i, n in enumerate([5, 90, 7, 6, 95, 8, 4, 5, 60, 9]):
+        mask[i, 2: 2 + n] = True
+    plan = update_plan(mask, 2, 4, 200, 99, token_mean, torch.Generator().manual_seed(0))
+    assert len(plan) == 2
+    rows = [int(r) for mb in plan for m in mb for r in m.rows]
+    assert sorted(rows) == list(range(10))
+    for micro in (m for mb in plan for m in mb):
+        assert len(micro.rows) <= 4 and (len(micro.rows) == 1 or len(micro.rows) * micro.width <= 200)
+        assert micro.width == int(needed_width(mask)[micro.rows].max())
+    for minibatch in plan:  # token-mean weights of each minibatch sum to one
+        assert torch.allclose(sum(m.weights.sum() for m in minibatch), torch.tensor(1.0))
 
 
 def test_tensorboard_logger_without_the_package_is_a_startup_error(toy, monkeypatch):

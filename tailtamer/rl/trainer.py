@@ -37,7 +37,7 @@ from tailtamer.metrics import RunLog, check_loggers, run_summary
 from tailtamer.model.drafter import Drafter, load_drafter, save_drafter, weights_checksum
 from tailtamer.model.io import load_model
 from tailtamer.model.tokenizer import load_tokenizer
-from tailtamer.plots import plot_rl_curves, plot_worker_timeline
+from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
 from tailtamer.rl.batching import response_batch, update_plan
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -120,11 +120,15 @@ def rl_step(s: RunState) -> dict:
         keep &= torch.tensor([c.finish_reason != "length" for c in completions], dtype=torch.bool)
 
     # 5. Old log-probs (and the reference's): one forward; its hidden states feed the drafter.
+    #    Workers first re-deal the samples so each holds about as many tokens.
     t_train = time.perf_counter()
-    ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
+    pad_id = s.tokenizer.pad_token_id or 0
+    ids, response_mask = response_batch(batch, completions, pad_id)
     response_mask &= keep[:, None]
-    plan = update_plan(response_mask, rl.minibatches, rl.micro_batch_size, roll.max_new_tokens,
-                       grpo.AGGREGATIONS[rl.loss_agg], torch.Generator().manual_seed(cfg.run.seed + s.step), w.sum)
+    ids, response_mask, advantages = w.rebalance(ids, response_mask, advantages, pad_id)
+    plan = update_plan(response_mask, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens,
+                       roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg],
+                       torch.Generator().manual_seed(cfg.run.seed + s.step), w.sum)
     old_logps, ref_logps = {}, {}
     with torch.no_grad():
         for micro in (m for minibatch in plan for m in minibatch):
@@ -456,6 +460,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
     if s.history:
         plot_rl_curves(s.history, s.run_dir / "curves.png", s.eval_at_start)
         plot_worker_timeline(s.history[-1], s.run_dir / "timeline.png")
+        if s.frozen is not None:
+            plot_accept_lengths(s.history, s.run_dir / "drafter.png")
     return summary
 
 
