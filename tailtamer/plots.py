@@ -125,7 +125,7 @@ def plot_accept_lengths(history: list[dict], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] + 1 for r in history]
-    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 3.9), dpi=110)
     ax.plot(steps, [r["accept_len_est"] for r in history], "o-", label="adaptive drafter (estimate)")
     ax.plot(steps, [r["accept_len_est_frozen"] for r in history], "s--", label="frozen warm-up drafter (estimate)")
     ax.plot(steps, [r["accept_len_mean"] for r in history], ".:", label="adaptive drafter (measured in rollout)")
@@ -136,8 +136,8 @@ def plot_accept_lengths(history: list[dict], path: str | Path) -> Path:
         right = ax.twinx()
         right.plot(*zip(*losses), color="gray", alpha=0.5, linewidth=1, label="drafter loss")
         right.set_ylabel("drafter loss", color="gray")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=3)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     path = Path(path)
     fig.savefig(path)
     plt.close(fig)

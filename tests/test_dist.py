@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tailtamer.config import load_train_config
-from tailtamer.dist import WorkerError, Workers, spawn
+from tailtamer.dist import WorkerError, Workers, resolve_workers, spawn
 from tailtamer.rl.batching import balanced_shares
 from tailtamer.rl.trainer import TrainingError, check_same_weights, run_worker, train
 from test_trainer import TIME_FIELDS, _comparable, _rows
@@ -90,6 +90,7 @@ def test_idle_worker_spot_trains_is_preempted_and_publishes(toy, drafter_dir, tm
 
     saved = run / "checkpoints" / "step-000004"
     assert weights_checksum(load_drafter(saved / "drafter", load_model(saved))) == shas[-1]
+    assert weights_checksum(load_drafter(run / "drafter", load_model(saved))) == shas[-1]  # the async copy
     # The adaptive drafter is compared with the frozen warm-up drafter on the same data.
     assert all(r["accept_len_est_frozen"] >= 1.0 and r["accept_len_est"] >= 1.0 for r in rows)
     assert rows[0]["accept_len_est"] == rows[0]["accept_len_est_frozen"]  # nothing trained yet
@@ -152,6 +153,11 @@ def test_balanced_shares_deal_out_long_tailed_costs():
     assert max(loads) - min(loads) <= max(costs)  # LPT: no worker beyond one item over another
     assert all(len([i for i in share if costs[i] >= 290]) == 1 for share in shares)  # one long each
     assert balanced_shares(costs, 3) == shares and balanced_shares(costs, 1) == [list(range(len(costs)))]
+
+
+def test_worker_count_defaults_to_the_cores_and_never_exceeds_the_prompts():
+    assert resolve_workers(3, 16) == 3 and resolve_workers(8, 4) == 4
+    assert resolve_workers(0, 1024) == (os.cpu_count() or 1)
 
 
 def test_one_worker_collectives_are_the_identity():

@@ -442,6 +442,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
             s.history.append(row)
             if out is not None:
                 out.log(row)
+                if s.spot is not None:  # the newest published drafter, ready to serve, written in the background
+                    s.spot.checkpoint_async(s.run_dir / "drafter")
             if s.bad_steps >= cfg.run.max_bad_steps > 0:
                 _checkpoint(s)
                 raise TrainingError(f"{s.bad_steps} non-finite losses in a row at step {s.step}; "
@@ -451,6 +453,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
     finally:
         if out is not None:
             out.close()
+        if s.spot is not None:
+            s.spot.wait()
     if not w.is_main:
         return None
     counts = {k: s.history[-1][k] if s.history else 0 for k in s.scorer.counts()}  # summed over workers
