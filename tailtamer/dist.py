@@ -261,6 +261,15 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
                           f"the other workers were stopped; {resume}") from None
     except mp.ProcessRaisedException as e:
         drain()
+        # A worker killed outright makes its peers fail in their next collective; the dead
+        # one, not the peer that noticed first, is the cause to report.
+        import signal
+
+        for rank, process in enumerate(procs.processes):
+            if rank != e.error_index and process.exitcode is not None and process.exitcode < 0 \
+                    and process.exitcode != -signal.SIGTERM:  # SIGTERM: stopped by the launcher
+                raise WorkerError(f"worker {rank} died ({_exit_reason(process.exitcode)}); "
+                                  f"the other workers were stopped; {resume}") from None
         message = reported.get(e.error_index) or e.msg.strip().splitlines()[-1]
         raise WorkerError(f"worker {e.error_index}: {message}") from None
     drain()

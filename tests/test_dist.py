@@ -129,6 +129,19 @@ def test_a_dying_worker_stops_the_run_and_the_checkpoint_resumes(toy, tmp_path):
     assert TIME_FIELDS <= set(_rows(run)[0])
 
 
+def kill_worker_1():
+    w = Workers.from_env(30)
+    if w.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    w.sum(torch.ones(1))  # worker 0 fails here: its peer is gone
+
+
+def test_the_dead_worker_is_named_not_the_peer_that_noticed():
+    for _ in range(3):  # whichever the launcher sees first, the dead one is reported
+        with pytest.raises(WorkerError, match=r"worker 1 died \(killed by SIGKILL\)"):
+            spawn(2, kill_worker_1, (), "runs/x")
+
+
 def test_a_worker_error_is_reported_with_its_message(toy, tmp_path):
     cfg = load_train_config(None, toy + ["run.steps=1", "run.workers=2", "rl.reward=no_such_module:f"])
     with pytest.raises(WorkerError, match=r"worker \d: .*no_such_module"):
