@@ -21,6 +21,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 from typing import Callable
@@ -63,9 +64,18 @@ class Workers:
         return self.rank == 0
 
     def close(self) -> None:
-        if self.world > 1:
-            self.set_state("DONE")
-            dist.destroy_process_group()
+        """Leave the group in order, after a run that ended normally: everyone is done with
+        collectives, then worker 0, whose process hosts the store, leaves last (a peer still
+        talking to a store that is gone aborts its process)."""
+        if self.world == 1:
+            return
+        self.set_state("DONE")
+        dist.barrier()
+        dist.destroy_process_group()
+        self.store.add("closed", 1)
+        if self.is_main:
+            while self.store.add("closed", 0) < self.world:
+                time.sleep(0.01)
 
     # --- data -----------------------------------------------------------------------------
 
@@ -229,7 +239,12 @@ def _spawned(rank: int, world: int, port: int, entry: Callable, args: tuple, res
         results.put(("error", rank, str(e)))
         raise
     if rank == 0:
-        results.put(("ok", rank, value))
+        results.put(("ok", rank, value))  # written to the pipe before put returns
+    # Skip interpreter teardown: destroying the c10d store's threads at exit can abort a
+    # finished worker (std::terminate), which the launcher would report as a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(world: int, entry: Callable, args: tuple, run_dir: str):

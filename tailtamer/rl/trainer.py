@@ -476,10 +476,9 @@ def _silent(*_args) -> None:
 def run_worker(cfg: TrainConfig, resume: Path | None, console) -> dict | None:
     """One worker of a multi-process run (spawned locally or started by torchrun)."""
     workers = Workers.from_env(cfg.run.dist_timeout_s)
-    try:
-        return train(cfg, resume, console=console, workers=workers)
-    finally:
-        workers.close()
+    summary = train(cfg, resume, console=console, workers=workers)
+    workers.close()  # not after an error: the launcher stops every worker then
+    return summary
 
 
 def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict | None:
