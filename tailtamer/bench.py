@@ -140,7 +140,7 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
 
     path = _default_model_dir(model_dir)
     model, tokenizer = load_model(path), load_tokenizer(path)
-    drafter = load_drafter(ensure_builtin_drafter(path, model, tokenizer), model)
+    drafter = load_drafter(ensure_builtin_drafter(path), model)
     problems = ArithmeticTask(min_ops=4).dataset(max(batches + (8,)), seed=424242)
     params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1)
     arms = [(f"eagle {s}", lambda s=s: (EagleProposer(drafter), Strategy.parse(s))) for s in strategies]
@@ -184,7 +184,7 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
 
     path = _default_model_dir(model_dir)
     model, tokenizer = load_model(path), load_tokenizer(path)
-    drafter = load_drafter(ensure_builtin_drafter(path, model, tokenizer), model)
+    drafter = load_drafter(ensure_builtin_drafter(path), model)
     problems = ArithmeticTask().dataset(prompts, seed=31337)
     ids = [tokenizer.encode(p["prompt"]) for p in problems]
     params = SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=2)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tailtamer.errors import TailtamerError
+from tailtamer.rl.batching import balanced_shares, needed_width
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
@@ -41,9 +43,8 @@ class WorkerError(TailtamerError):
 class Workers:
     """This process's place in the worker group, and the few operations the RL step needs."""
 
-    def __init__(self, rank: int = 0, world: int = 1, store: dist.Store | None = None, timeout_s: float = 300.0):
+    def __init__(self, rank: int = 0, world: int = 1, store: dist.Store | None = None):
         self.rank, self.world, self.store = rank, world, store
-        self.timeout = datetime.timedelta(seconds=timeout_s)
 
     @classmethod
     def from_env(cls, timeout_s: float) -> "Workers":
@@ -57,7 +58,7 @@ class Workers:
         store.set_timeout(timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                                 timeout=timeout)
-        return cls(rank, world, dist.PrefixStore("tailtamer", store), timeout_s)
+        return cls(rank, world, dist.PrefixStore("tailtamer", store))
 
     @property
     def is_main(self) -> bool:
@@ -70,12 +71,16 @@ class Workers:
         if self.world == 1:
             return
         self.set_state("DONE")
-        dist.barrier()
+        self.barrier()
         dist.destroy_process_group()
         self.store.add("closed", 1)
         if self.is_main:
             while self.store.add("closed", 0) < self.world:
                 time.sleep(0.01)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
 
     # --- data -----------------------------------------------------------------------------
 
@@ -108,8 +113,6 @@ class Workers:
         (ids, mask, advantages)."""
         if self.world == 1:
             return ids, mask, advantages
-        from tailtamer.rl.batching import balanced_shares, needed_width
-
         needed = needed_width(mask).tolist()
         mine = [(ids[i, :n], mask[i, : n - 1], advantages[i]) for i, n in enumerate(needed)]
         rows = [row for part in self.gather(mine) for row in part]
@@ -178,11 +181,6 @@ class Workers:
         assert state in STATES, state
         if self.store is not None:
             self.store.set(f"state/{self.rank}", state)
-
-    def states(self) -> list[str]:
-        if self.store is None:
-            return []
-        return [self.store.get(f"state/{r}").decode() for r in range(self.world)]
 
     def finish_rollout(self, step: int) -> None:
         """Count this worker's rollout shard of `step` as done; the last one stamps the time."""
@@ -272,19 +270,15 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
         while not procs.join(timeout=0.5):
             drain()
     except mp.ProcessExitedException as e:
-        raise WorkerError(f"worker {e.error_index} died ({_exit_reason(e.exit_code)}); "
-                          f"the other workers were stopped; {resume}") from None
+        raise _died(e.error_index, e.exit_code, resume) from None
     except mp.ProcessRaisedException as e:
         drain()
         # A worker killed outright makes its peers fail in their next collective; the dead
         # one, not the peer that noticed first, is the cause to report.
-        import signal
-
         for rank, process in enumerate(procs.processes):
             if rank != e.error_index and process.exitcode is not None and process.exitcode < 0 \
                     and process.exitcode != -signal.SIGTERM:  # SIGTERM: stopped by the launcher
-                raise WorkerError(f"worker {rank} died ({_exit_reason(process.exitcode)}); "
-                                  f"the other workers were stopped; {resume}") from None
+                raise _died(rank, process.exitcode, resume) from None
         message = reported.get(e.error_index) or e.msg.strip().splitlines()[-1]
         raise WorkerError(f"worker {e.error_index}: {message}") from None
     drain()
@@ -293,9 +287,6 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
     return value[0]
 
 
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        import signal
-
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
+def _died(rank: int, exit_code: int, resume: str) -> WorkerError:
+    reason = f"killed by {signal.Signals(-exit_code).name}" if exit_code < 0 else f"exit code {exit_code}"
+    return WorkerError(f"worker {rank} died ({reason}); the other workers were stopped; {resume}")

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from tailtamer.atomic import atomic_write_json
 from tailtamer.errors import ConfigError, DataError
 from tailtamer.model.drafter import Drafter, init_drafter, save_drafter
+from tailtamer.model.io import load_model
+from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.model.transformer import Transformer
 from tailtamer.sft import make_batch
 
@@ -159,15 +161,16 @@ def _train(target, sequences, cfg, drafter, rng, log):
     return drafter, {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "final": history[-1]}
 
 
-def ensure_builtin_drafter(model_dir: Path, target: Transformer, tokenizer, cfg: DrafterTrainConfig = DrafterTrainConfig(),
+def ensure_builtin_drafter(model_dir: Path, cfg: DrafterTrainConfig = DrafterTrainConfig(),
                            log: Callable[[str], None] = print) -> Path:
     """The directory of the built-in base model's warmed-up drafter, trained on task traces
-    once and cached beside the model."""
+    once and cached beside the model (which is only loaded to train it)."""
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
     out = model_dir.parent / f"{model_dir.name}-drafter-{cfg.key()}"
     if not (out / "train.json").is_file():
         log(f"warming up a drafter for {model_dir} into {out}")
+        target, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
         problems = ArithmeticTask().dataset(4000, seed=cfg.seed + 7)
         seqs = encode_texts(tokenizer, [p["prompt"] + p["trace"] for p in problems], cfg.max_len)
         drafter, info = train_drafter(target, seqs, cfg, log=log)

@@ -21,6 +21,7 @@ import os
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -140,9 +141,9 @@ def rl_step(s: RunState) -> dict:
             if s.ref_model is not None:
                 ref_logits = s.ref_model(mb_ids)[0][:, :-1]
                 ref_logps[micro.key] = grpo.token_log_probs(ref_logits, mb_ids[:, 1:], roll.temperature)
-    fresh = [e for e in s.spot.buffer.entries if e.step == s.step] if s.spot is not None else []
     accept_est = accept_est_frozen = (1.0, 0)
-    if s.frozen is not None and fresh:  # both drafters on responses neither has trained on
+    fresh = [e for e in s.spot.buffer.entries if e.step == s.step] if s.frozen is not None else []
+    if fresh:  # both drafters on responses neither has trained on
         depth = Strategy.parse(cfg.spec.strategy).depth
         accept_est = estimate_accept_length(s.spot.drafter, fresh, depth, roll.temperature)
         accept_est_frozen = estimate_accept_length(s.frozen, fresh, depth, roll.temperature)
@@ -225,10 +226,8 @@ def rl_step(s: RunState) -> dict:
     }
     parts = w.gather(mine)
     every = lambda key: [x for p in parts for x in p[key]]  # noqa: E731
-    resp, accept_lens = every("lengths"), {}
-    for p in parts:
-        for k, v in p["accept_lens"].items():
-            accept_lens[k] = accept_lens.get(k, 0) + v
+    resp = every("lengths")
+    accept_lens = sum((Counter(p["accept_lens"]) for p in parts), Counter())
     start = min(p["timeline"][0][1] for p in parts)
     drafter_losses = [p["drafter"]["loss"] for p in parts if p["drafter"]["loss"] is not None]
     preempts = [p["preempt_s"] for p in parts if p["preempt_s"] is not None]
@@ -345,7 +344,7 @@ def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
     if spec.drafter == "builtin" and spec.mode != "off":
         from tailtamer.drafter.train import ensure_builtin_drafter
 
-        drafter_dir = ensure_builtin_drafter(Path(model), load_model(model), load_tokenizer(model), log=log)
+        drafter_dir = ensure_builtin_drafter(Path(model), log=log)
         spec = replace(spec, drafter=str(drafter_dir))
     return replace(cfg, run=replace(cfg.run, model=model), spec=spec)
 
@@ -354,7 +353,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     """Load everything a worker needs for `cfg` (already `prepare`d)."""
     workers = workers or Workers()
     check_loggers(cfg.run.loggers)
-    run_dir = resume or Path(cfg.run.out_dir) / cfg.run.name
+    run_dir = _run_dir(cfg, resume)
     model_dir = Path(cfg.run.model)
     tokenizer = load_tokenizer(model_dir)
     scorer = RewardScorer(resolve_reward(cfg.rl.reward), cfg.rl.reward_timeout_s)
@@ -386,6 +385,10 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
             frozen = load_drafter(cfg.spec.drafter, model)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
                     workers, ref_model, spot, frozen, step=state["step"], skipped_prompts=skipped)
+
+
+def _run_dir(cfg: TrainConfig, resume: Path | None) -> Path:
+    return resume or Path(cfg.run.out_dir) / cfg.run.name
 
 
 def _write_run_files(s: RunState) -> None:
@@ -430,7 +433,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
         log(f"skipped {s.skipped_prompts} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     if s.step == 0 and cfg.run.eval_every:
         s.eval_at_start = evaluate_greedy(s)
-    w.sum(torch.zeros(1))  # start the first step together, so its timeline compares workers
+    w.barrier()  # start the first step together, so its timeline compares workers
     t0 = time.perf_counter()
     out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console) if w.is_main else None
     try:
@@ -489,4 +492,4 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
     world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step)
     if world == 1:
         return train(cfg, resume, console=console)
-    return spawn(world, run_worker, (cfg, resume, console), str(resume or Path(cfg.run.out_dir) / cfg.run.name))
+    return spawn(world, run_worker, (cfg, resume, console), str(_run_dir(cfg, resume)))
