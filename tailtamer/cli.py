@@ -97,8 +97,8 @@ def cmd_sft(args) -> None:
 
     from tailtamer.sft import SFTConfig, ensure_base_model, train_sft
 
-    cfg = replace(SFTConfig(), **{k: v for k, v in (("steps", args.steps), ("seed", args.seed),
-                                                    ("preset", args.preset)) if v is not None})
+    given = {"steps": args.steps, "habit_steps": args.habit_steps, "seed": args.seed, "preset": args.preset}
+    cfg = replace(SFTConfig(), **{k: v for k, v in given.items() if v is not None})
     if args.out:
         info = train_sft(cfg, args.out)
         print(f"wrote the base model to {args.out} (final loss {info['final_loss']:.4f})")
@@ -134,7 +134,8 @@ def cmd_task(args) -> None:
 def cmd_demo(args) -> None:
     from tailtamer.demo import run_demo
 
-    run_demo(out_dir=Path(args.out), n_prompts=args.prompts, n=args.n, seed=args.seed)
+    run_demo(out_dir=Path(args.out), n_prompts=args.prompts, n=args.n, seed=args.seed,
+             model=Path(args.model) if args.model else None)
 
 
 def cmd_bench(args) -> None:
@@ -211,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sft", help="train (or find in the cache) the built-in task's base model")
     s.add_argument("--out", help="train into this directory instead of the cache")
-    s.add_argument("--steps", type=int)
+    s.add_argument("--steps", type=int, help="steps on worked traces (default 1200)")
+    s.add_argument("--habit-steps", type=int, help="then steps where the teacher often answers directly "
+                                                    "(default 150; 0 = no habit for RL to unlearn)")
     s.add_argument("--seed", type=int)
     s.add_argument("--preset")
     s.set_defaults(func=cmd_sft)
@@ -235,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=int, default=64)
     d.add_argument("--n", type=int, default=8)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--model", help="model directory (default: the built-in base model)")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks; prints a JSON report of ratios")

@@ -1,8 +1,9 @@
 """`tailtamer demo`: one long-tail rollout of the built-in base model, and where its time goes.
 
 It trains (or reuses) the base model, samples n responses for held-out problems at
-temperature 1, and reports accuracy, the response-length distribution, and how much of the
-rollout's time is spent with only a few requests still running: the tail TLT attacks.
+temperature 1, and reports accuracy (by problem length, and for responses that answer
+directly against those that work the problem out), the response-length distribution, and how
+much of the rollout's time is spent with only a few requests still running: the tail TLT attacks.
 """
 
 from __future__ import annotations
@@ -45,14 +46,31 @@ def evaluate(model_dir: Path, n_prompts: int, n: int, seed: int, temperature: fl
     return problems, completions, rewards, stats
 
 
-def run_demo(out_dir: Path, n_prompts: int = 64, n: int = 8, seed: int = 0) -> dict:
-    model_dir = ensure_base_model(SFTConfig())
+OPS_BUCKETS = ((1, 1), (2, 3), (4, 7), (8, None))
+
+
+def accuracy_breakdown(problems: list[dict], completions, rewards: list[float]) -> dict:
+    """Accuracy by the problem's number of operations, and for responses that state the
+    answer at once (`answer: N` first) against those that work it out: {name: [accuracy, n]}."""
+    groups: dict[str, list[float]] = {}
+    for c, r in zip(completions, rewards):
+        ops = ArithmeticTask.num_ops(problems[c.prompt_index]["prompt"])
+        lo, hi = next((lo, hi) for lo, hi in OPS_BUCKETS if ops >= lo and (hi is None or ops <= hi))
+        name = f"ops {lo}" if lo == hi else f"ops {lo}+" if hi is None else f"ops {lo}-{hi}"
+        for key in (name, "direct answer" if c.text.startswith("answer:") else "worked"):
+            groups.setdefault(key, []).append(r)
+    return {k: [sum(v) / len(v), len(v)] for k, v in sorted(groups.items())}
+
+
+def run_demo(out_dir: Path, n_prompts: int = 64, n: int = 8, seed: int = 0, model: Path | None = None) -> dict:
+    model_dir = model or ensure_base_model(SFTConfig())
     problems, completions, rewards, stats = evaluate(model_dir, n_prompts, n, seed)
     lengths = [len(c.token_ids) for c in completions]
     report = {
         "model": str(model_dir),
         "samples": len(completions),
         "accuracy": sum(rewards) / len(rewards),
+        "accuracy_by": accuracy_breakdown(problems, completions, rewards),
         "response_length": length_stats(lengths),
         "reference_length": length_stats([len(p["trace"]) + 1 for p in problems]),
         "tail": tail_share(stats, min(len(completions), 512)),
@@ -67,6 +85,7 @@ def run_demo(out_dir: Path, n_prompts: int = 64, n: int = 8, seed: int = 0) -> d
     L, tail = report["response_length"], report["tail"]
     print(f"base model: {model_dir}")
     print(f"{len(completions)} samples ({n_prompts} prompts x {n}), temperature 1: accuracy {report['accuracy']:.1%}")
+    print("accuracy by " + ", ".join(f"{k}: {a:.1%} of {m}" for k, (a, m) in report["accuracy_by"].items()))
     print(f"response length p50 {L['p50']:.0f}  p90 {L['p90']:.0f}  max {L['max']:.0f}  "
           f"(max/p50 = {L['max_over_p50']:.1f})")
     print(f"rollout {stats.seconds:.1f}s, {report['tokens_per_s']:.0f} tokens/s; "

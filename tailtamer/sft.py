@@ -1,9 +1,17 @@
 """`tailtamer sft`: train the built-in task's tiny base model on reference traces.
 
-The base model is deliberately under-trained: it has learned the format and most single
-steps, but still slips on long chains, so at temperature 1 it is right often enough for RL to
-have signal and wrong often enough for RL to have something to fix. Training is reproducible
-from the seed and the result is cached under a directory keyed by the config's hash.
+Two phases. First the model learns to work problems out, one step per line, from worked
+traces. Then, for `habit_steps` more steps at the final learning rate, its teacher skips the
+working for a `direct_answer_prob` share of the problems and states only `answer: N`, the way
+much of a real base model's data states results without the reasoning. The base model ends up
+answering most prompts directly, which is nearly always wrong beyond one step, while the
+working it can still do is right about half the time: a habit that RL from the outcome reward
+has a clear reason to unlearn (the R1-Zero story in miniature: accuracy rises as responses
+get longer). Without the habit, the errors left are ones no small RL budget fixes (the model
+copies the wrong operation from long prompts; README, "why the base model has a habit").
+
+Training is reproducible from the seed and the result is cached under a directory keyed by
+the config's hash.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ RECIPE_VERSION = 2
 @dataclass(frozen=True)
 class SFTConfig:
     preset: str = "tiny"  # model size (see model.config.PRESETS)
-    steps: int = 1200  # optimizer steps (~5 min on 2 cores)
+    steps: int = 1200  # optimizer steps on worked traces (~5 min on 2 cores)
+    habit_steps: int = 150  # then steps at the final learning rate with the teacher's direct answers
+    direct_answer_prob: float = 0.6  # share of those problems the teacher answers without working
     batch_size: int = 32  # problems per step
     lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to 10%)
     warmup: int = 30
@@ -52,6 +62,10 @@ class SFTConfig:
                 raise ConfigError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ConfigError(f"sft.lr must be > 0, got {self.lr}")
+        if self.habit_steps < 0:
+            raise ConfigError(f"sft.habit_steps must be >= 0, got {self.habit_steps}")
+        if not 0 <= self.direct_answer_prob <= 1:
+            raise ConfigError(f"sft.direct_answer_prob must be in [0, 1], got {self.direct_answer_prob}")
 
     def key(self) -> str:
         blob = json.dumps({**asdict(self), "recipe": RECIPE_VERSION}, sort_keys=True)
@@ -79,12 +93,21 @@ def make_batch(examples: list[tuple[list[int], list[int]]], pad_id: int, device=
     return ids, mask
 
 
-def length_bucketed_batches(tok: Tokenizer, cfg: SFTConfig, rng: random.Random, pool: int = 8):
+def teacher_response(problem: dict, rng: random.Random, direct_prob: float) -> dict:
+    """The problem with the teacher's response as its trace: the worked trace, or with
+    probability direct_prob only the final `answer: N` line."""
+    if direct_prob and rng.random() < direct_prob:
+        return {**problem, "trace": f"answer: {problem['answer']}"}
+    return problem
+
+
+def length_bucketed_batches(tok: Tokenizer, cfg: SFTConfig, rng: random.Random, pool: int = 8,
+                            direct_prob: float = 0.0):
     """Endless batches of similar-length examples: with long-tailed lengths, padding every
     batch to its longest member would waste most of the compute."""
     while True:
-        examples = sorted((encode_example(tok, cfg.task.sample(rng)) for _ in range(pool * cfg.batch_size)),
-                          key=lambda e: len(e[0]))
+        examples = sorted((encode_example(tok, teacher_response(cfg.task.sample(rng), rng, direct_prob))
+                           for _ in range(pool * cfg.batch_size)), key=lambda e: len(e[0]))
         chunks = [examples[i: i + cfg.batch_size] for i in range(0, len(examples), cfg.batch_size)]
         rng.shuffle(chunks)
         for chunk in chunks:
@@ -92,6 +115,9 @@ def length_bucketed_batches(tok: Tokenizer, cfg: SFTConfig, rng: random.Random, 
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:
+    """Linear warm-up, cosine decay to 10% over `steps`, then 10% through the habit phase."""
+    if step >= cfg.steps:
+        return 0.1 * cfg.lr
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -110,9 +136,11 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     t0, loss_ema = time.perf_counter(), None
-    batches = length_bucketed_batches(tok, cfg, rng)
-    for step in range(cfg.steps):
-        ids, mask = next(batches)
+    worked = length_bucketed_batches(tok, cfg, rng)
+    habit = length_bucketed_batches(tok, cfg, rng, direct_prob=cfg.direct_answer_prob)
+    total = cfg.steps + cfg.habit_steps
+    for step in range(total):
+        ids, mask = next(worked if step < cfg.steps else habit)
         logits, _ = model(ids[:, :-1])
         target_mask = mask[:, 1:]
         loss = F.cross_entropy(logits[target_mask], ids[:, 1:][target_mask])
@@ -123,8 +151,8 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        if step % 50 == 0 or step == cfg.steps - 1:
-            log(f"sft step {step:4d}/{cfg.steps}  loss {loss_ema:.4f}  {time.perf_counter() - t0:6.1f}s")
+        if step % 50 == 0 or step == total - 1:
+            log(f"sft step {step:4d}/{total}  loss {loss_ema:.4f}  {time.perf_counter() - t0:6.1f}s")
     model.eval()
     out_dir = Path(out_dir)
     save_model(model, out_dir)

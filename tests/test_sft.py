@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from tailtamer.errors import ConfigError
 from tailtamer.model.io import load_model
 from tailtamer.model.tokenizer import char_tokenizer, load_tokenizer
-from tailtamer.sft import SFTConfig, encode_example, ensure_base_model, lr_at, make_batch, train_sft
+from tailtamer.sft import (SFTConfig, encode_example, ensure_base_model, lr_at, make_batch, teacher_response,
+                           train_sft)
 from tailtamer.tasks.arithmetic import ArithmeticTask
 
 
@@ -33,6 +34,17 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
     assert lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(99, cfg) == pytest.approx(0.1, abs=1e-3)
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 99))
+    assert lr_at(100, cfg) == lr_at(100 + cfg.habit_steps - 1, cfg) == pytest.approx(0.1)
+
+
+def test_the_teacher_answers_directly_at_the_given_rate():
+    rng, problems = random.Random(0), ArithmeticTask().dataset(2000, seed=3)
+    taught = [teacher_response(p, rng, 0.6) for p in problems]
+    direct = [t for t in taught if t["trace"] == f"answer: {t['answer']}"]
+    assert 0.55 < len(direct) / len(taught) < 0.65  # 0.6 ± 4.5 binomial standard deviations
+    assert all(t["trace"] == p["trace"] for t, p in zip(taught, problems) if t not in direct)
+    assert all(t["prompt"] == p["prompt"] and t["answer"] == p["answer"] for t, p in zip(taught, problems))
+    assert [teacher_response(p, rng, 0.0) for p in problems] == problems
 
 
 def _heldout_loss(model, tok, seed=99):
@@ -47,7 +59,7 @@ def test_a_short_run_lowers_held_out_loss(tmp_path):
     from tailtamer.model.config import preset_config
     from tailtamer.model.io import init_model
 
-    cfg = SFTConfig(steps=40, batch_size=16, warmup=5)
+    cfg = SFTConfig(steps=40, batch_size=16, warmup=5, habit_steps=0)
     tok = char_tokenizer()
     before = init_model(preset_config("tiny", tok.vocab_size, tie_word_embeddings=True), seed=cfg.seed)
     train_sft(cfg, tmp_path, log=lambda _: None)
@@ -58,34 +70,40 @@ def test_a_short_run_lowers_held_out_loss(tmp_path):
 
 def test_base_model_is_cached_by_config(tmp_path, monkeypatch):
     monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path))
-    cfg = SFTConfig(steps=2, batch_size=2, warmup=1)
+    cfg = SFTConfig(steps=2, batch_size=2, warmup=1, habit_steps=2)
     logs = []
     first = ensure_base_model(cfg, log=logs.append)
     assert logs and (first / "model.safetensors").is_file()
     logs.clear()
     assert ensure_base_model(cfg, log=logs.append) == first and not logs
-    other = ensure_base_model(SFTConfig(steps=2, batch_size=2, warmup=1, seed=1), log=logs.append)
+    other = ensure_base_model(SFTConfig(steps=2, batch_size=2, warmup=1, habit_steps=2, seed=1), log=logs.append)
     assert other != first
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])  # no temp dirs left
 
 
 @pytest.mark.parametrize("kwargs,field", [({"steps": 0}, "steps"), ({"batch_size": 0}, "batch_size"),
-                                          ({"lr": 0.0}, "lr")])
+                                          ({"lr": 0.0}, "lr"), ({"habit_steps": -1}, "habit_steps"),
+                                          ({"direct_answer_prob": 1.5}, "direct_answer_prob")])
 def test_bad_sft_config(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         SFTConfig(**kwargs)
 
 
 @pytest.mark.slow
-def test_default_base_model_is_imperfect_and_long_tailed():
+def test_default_base_model_has_a_habit_and_long_tailed_samples():
     """The built-in base model (trained here if not cached, ~5 min): RL needs it to be right
-    sometimes and wrong sometimes, and its own samples must show the long tail."""
+    sometimes and wrong sometimes, for a reason it can learn (answering without the working
+    loses to working it out), and its own samples must show the long tail."""
     from tailtamer.demo import evaluate
     from tailtamer.tasks.arithmetic import length_stats
 
     _, completions, rewards, _ = evaluate(ensure_base_model(SFTConfig()), n_prompts=48, n=8, seed=0)
-    accuracy = sum(rewards) / len(rewards)
-    assert 0.2 <= accuracy <= 0.8
+    assert 0.05 <= sum(rewards) / len(rewards) <= 0.8
+    direct = [c.text.startswith("answer:") for c in completions]
+    assert 0.3 <= sum(direct) / len(direct) <= 0.9
+    worked = [r for r, d in zip(rewards, direct) if not d]
+    guessed = [r for r, d in zip(rewards, direct) if d]
+    assert sum(worked) / len(worked) > sum(guessed) / len(guessed) + 0.2
     lengths = length_stats([len(c.token_ids) for c in completions])
     assert lengths["max"] / lengths["p50"] >= 6
     # Sibling samples of one prompt differ in length, not only prompts from each other.

@@ -64,3 +64,24 @@ def test_length_stats():
 def test_bad_task_config(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         ArithmeticTask(**kwargs)
+
+
+def test_num_ops_counts_the_operations_of_a_prompt():
+    task = ArithmeticTask()
+    for p in task.dataset(200, seed=4):
+        steps = [line for line in p["trace"].splitlines() if not line.startswith(("check", "answer"))]
+        assert ArithmeticTask.num_ops(p["prompt"]) == len(steps)
+
+
+def test_accuracy_breakdown_by_length_and_by_working():
+    from types import SimpleNamespace
+
+    from tailtamer.demo import accuracy_breakdown
+
+    problems = [{"prompt": "10+1=?\n"}, {"prompt": "10+1-2=?\n"}, {"prompt": "10" + "+1" * 9 + "=?\n"}]
+    done = [(0, "answer: 11", 1.0), (0, "10+1=11\nanswer: 11", 1.0), (1, "answer: 3", 0.0),
+            (1, "10+1=11\n11-2=9\nanswer: 9", 1.0), (2, "answer: 5", 0.0)]
+    completions = [SimpleNamespace(prompt_index=i, text=t) for i, t, _ in done]
+    got = accuracy_breakdown(problems, completions, [r for _, _, r in done])
+    assert got == {"direct answer": [1 / 3, 3], "worked": [1.0, 2], "ops 1": [1.0, 2], "ops 2-3": [0.5, 2],
+                   "ops 8+": [0.0, 1]}

@@ -28,6 +28,7 @@ import numpy as np
 from tailtamer.errors import ConfigError
 
 ANSWER_RE = re.compile(r"answer:\s*(-?\d+)")
+OP_RE = re.compile(r"[+-]\d")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,11 @@ class ArithmeticTask:
             raise ConfigError(f"task.check_prob must be in [0, 1), got {self.check_prob}")
         if self.max_value < 18:
             raise ConfigError(f"task.max_value must be >= 18, got {self.max_value}")
+
+    @staticmethod
+    def num_ops(prompt: str) -> int:
+        """Operations in a prompt such as `47+8-3=?`."""
+        return len(OP_RE.findall(prompt))
 
     def num_ops_weights(self) -> list[float]:
         return [k ** -self.alpha for k in range(self.min_ops, self.max_ops + 1)]
