@@ -4,8 +4,8 @@ Two phases. First the model learns to work problems out, one step per line, from
 traces. Then, for `habit_steps` more steps at the final learning rate, its teacher skips the
 working for a `direct_answer_prob` share of the problems and states only `answer: N`, the way
 much of a real base model's data states results without the reasoning. The base model ends up
-answering most prompts directly, which is nearly always wrong beyond one step, while the
-working it can still do is right about half the time: a habit that RL from the outcome reward
+answering most prompts directly, which is nearly always wrong, while the working it can
+still do is right about four times in ten: a habit that RL from the outcome reward
 has a clear reason to unlearn (the R1-Zero story in miniature: accuracy rises as responses
 get longer). Without the habit, the errors left are ones no small RL budget fixes (the model
 copies the wrong operation from long prompts; README, "why the base model has a habit").
