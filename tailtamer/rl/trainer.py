@@ -492,4 +492,7 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
     world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step)
     if world == 1:
         return train(cfg, resume, console=console)
+    # Here, not in worker 0: a spawned worker gets only its share of the cores, and a first
+    # run's base-model SFT and drafter warm-up would take ~1.6x as long on one core.
+    cfg = prepare(cfg)
     return spawn(world, run_worker, (cfg, resume, console), str(_run_dir(cfg, resume)))

@@ -1,0 +1,109 @@
+"""RL prompt datasets: JSONL and parquet, string or chat prompts, `answer` or verl's
+`reward_model.ground_truth`, too-long prompts skipped and counted, and errors naming file and row."""
+
+import json
+
+import pytest
+
+from tailtamer.config import load_train_config
+from tailtamer.errors import DataError
+from tailtamer.model.tokenizer import char_tokenizer
+from tailtamer.rl.data import load_task_rows
+from tailtamer.rl.trainer import train
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3?"}]
+ROWS = [
+    {"prompt": "1+1=", "answer": "2"},
+    {"messages": MESSAGES, "answer": 5},
+    {"prompt": MESSAGES, "reward_model": {"style": "rule", "ground_truth": "5"}},  # verl's layout
+]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _expected(tok):
+    chat = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
+    return [{"prompt_ids": tok.encode("1+1="), "answer": "2"},
+            {"prompt_ids": chat, "answer": "5"},
+            {"prompt_ids": chat, "answer": "5"}]
+
+
+def test_string_and_chat_prompts_with_either_answer_field(tmp_path):
+    tok = char_tokenizer()
+    rows, skipped = load_task_rows(_jsonl(tmp_path / "d.jsonl", ROWS), tok, max_prompt_tokens=256)
+    assert skipped == 0
+    assert rows == _expected(tok)
+    # the whole conversation, then the generation prompt (decode drops the special tokens)
+    assert tok.decode(rows[1]["prompt_ids"]) == "system\nbe brief\nuser\n2+3?\nassistant\n"
+
+
+def test_parquet_reads_like_jsonl(tmp_path):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "d.parquet"
+    pd.DataFrame([{"prompt": MESSAGES, "reward_model": {"style": "rule", "ground_truth": "5"}},
+                  {"prompt": MESSAGES, "reward_model": {"style": "rule", "ground_truth": "7"}}]).to_parquet(path)
+    tok = char_tokenizer()
+    rows, _ = load_task_rows(path, tok, max_prompt_tokens=256)
+    chat = _expected(tok)[1]["prompt_ids"]
+    assert rows == [{"prompt_ids": chat, "answer": "5"}, {"prompt_ids": chat, "answer": "7"}]
+
+
+def test_long_prompts_are_skipped_and_counted_not_truncated(tmp_path):
+    tok = char_tokenizer()
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 40, "answer": "1"}, {"prompt": "short", "answer": "2"},
+                                         {"prompt": "y" * 41, "answer": "3"}])
+    rows, skipped = load_task_rows(path, tok, max_prompt_tokens=40)
+    assert skipped == 1
+    assert [r["answer"] for r in rows] == ["1", "2"] and len(rows[0]["prompt_ids"]) == 40
+    with pytest.raises(DataError, match=r"d\.jsonl: every prompt is longer than data\.max_prompt_tokens=4"):
+        load_task_rows(path, tok, max_prompt_tokens=4)
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([], "d.jsonl: no rows (the file is empty)"),
+    (['{"prompt": "a", "answer": "1"}', "{oops"], "d.jsonl:2: not valid JSON"),
+    (['["a", "1"]'], "d.jsonl:1: expected a JSON object, got list"),
+    (['{"prompt": "a", "answer": "1"}', '{"answer": "1"}'], "d.jsonl:2: row has neither 'prompt' nor 'messages'"),
+    (['{"prompt": "a"}'], "d.jsonl:1: row has no 'answer' (or 'reward_model.ground_truth')"),
+    (['{"prompt": "a", "reward_model": {"style": "rule"}}'], "d.jsonl:1: row has no 'answer'"),
+    (['{"prompt": "", "answer": "1"}'], "d.jsonl:1: field 'prompt' is empty"),
+    (['{"prompt": 3, "answer": "1"}'], "d.jsonl:1: field 'prompt' must be a string or a list of messages"),
+    (['{"messages": [{"role": "user"}], "answer": "1"}'], "d.jsonl:1: message 0 needs string fields"),
+    (['{"messages": [], "answer": "1"}'], "d.jsonl:1: 'messages' must be a non-empty list"),
+], ids=["empty", "bad-json", "not-object", "no-prompt", "no-answer", "no-ground-truth", "empty-prompt",
+        "prompt-type", "message-fields", "no-messages"])
+def test_bad_rows_name_the_file_and_row(tmp_path, lines, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(DataError) as e:
+        load_task_rows(path, char_tokenizer(), max_prompt_tokens=256)
+    assert message in str(e.value)
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(DataError, match="none.jsonl: file not found"):
+        load_task_rows(tmp_path / "none.jsonl", char_tokenizer(), 256)
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match="bad.parquet: (cannot read parquet|reading parquet needs pandas)"):
+        load_task_rows(bad, char_tokenizer(), 256)
+
+
+def test_a_run_reports_skipped_prompts_and_a_bad_row_stops_it_before_any_work(toy, tmp_path):
+    data = _jsonl(tmp_path / "mixed.jsonl", [{"prompt": p, "answer": "0"} for p in ["ab", "cd", "ef", "gh"]]
+                  + [{"prompt": "z" * 300, "answer": "0"}])
+    lines = []
+    cfg = load_train_config(None, toy + [f"data.train={data}", "data.max_prompt_tokens=64", "run.steps=1",
+                                         "run.workers=1", "run.name=skips"])
+    summary = train(cfg, log=lines.append, console=lambda _: None)
+    assert summary["skipped_prompts"] == 1
+    assert "skipped 1 prompts longer than data.max_prompt_tokens=64" in lines
+    broken = _jsonl(tmp_path / "broken.jsonl", [{"prompt": "ab", "answer": "0"}, {"prompt": "cd"}])
+    cfg = load_train_config(None, toy + [f"data.train={broken}", "run.workers=1", "run.name=broken"])
+    with pytest.raises(DataError, match=r"broken\.jsonl:2: row has no 'answer'"):
+        train(cfg, log=lambda _: None)
+    assert not (tmp_path / "runs" / "broken").exists()
