@@ -173,6 +173,23 @@ def test_worker_count_defaults_to_the_cores_and_never_exceeds_the_prompts():
     assert resolve_workers(0, 1024) == (os.cpu_count() or 1)
 
 
+def test_spawned_workers_get_the_built_in_base_model_resolved_by_the_launcher(tmp_path, monkeypatch):
+    """The launcher, which has every core, finds or trains the base model, not worker 0 with
+    its one core; here a cached one is found."""
+    from tailtamer.rl import trainer
+    from tailtamer.sft import SFTConfig
+
+    base = tmp_path / f"base-tiny-{SFTConfig().key()}"
+    base.mkdir()
+    (base / "sft.json").write_text("{}")
+    monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = {}
+    monkeypatch.setattr(trainer, "spawn", lambda world, entry, args, run_dir: seen.update(world=world, cfg=args[0]))
+    trainer.launch(load_train_config(None, ["run.workers=2", "spec.mode=off"]))
+    assert seen["world"] == 2 and seen["cfg"].run.model == str(base)
+
+
 def test_one_worker_collectives_are_the_identity():
     w = Workers()
     x = torch.arange(3.0)
