@@ -18,6 +18,7 @@ With one worker there is no process group: every collective below is the identit
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import signal
@@ -251,6 +252,8 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
     checkpoints are written atomically, so the last one in `run_dir` stays valid."""
     import torch.multiprocessing as mp
 
+    # We say which worker failed and why; torch's "Terminating process N" warnings only add noise.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     results = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(_spawned, args=(world, _free_port(), entry, args, results), nprocs=world,
                                join=False, start_method="spawn")
