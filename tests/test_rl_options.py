@@ -1,0 +1,64 @@
+"""The RL step's options in short toy runs: KL against a reference, PPO epochs, the entropy
+bonus, dynamic sampling and overlong masking, each checked by what it must change."""
+
+from pathlib import Path
+
+import pytest
+
+from tailtamer.config import load_train_config
+from tailtamer.rl.trainer import prepare, setup, train
+from test_trainer import _rows
+
+NO_SIGNAL = '''
+def zero(response, answer):
+    return 0.0
+'''
+
+
+@pytest.fixture
+def no_signal(toy, tmp_path):
+    """The toy run with a reward that is 0 for every sample: no group carries a signal."""
+    reward = tmp_path / "zero_reward.py"
+    reward.write_text(NO_SIGNAL)
+    return toy + [f"rl.reward={reward}:zero"]
+
+
+def _run(overrides, name):
+    cfg = load_train_config(None, overrides + [f"run.name={name}", "run.save_every=0"])
+    train(cfg, log=lambda _: None, console=lambda _: None)
+    return _rows(Path(cfg.run.out_dir) / name)
+
+
+def test_kl_reference_is_the_start_policy_and_only_loaded_when_used(toy):
+    rows = _run(toy + ["rl.kl_coef=0.1", "rl.kl_estimator=k3", "rl.minibatches=1", "rl.lr=3e-3", "run.steps=3"], "kl")
+    assert abs(rows[0]["kl"]) < 1e-6  # the first update starts from the reference itself
+    assert rows[2]["kl"] > 1e-5  # then the policy moves away from it
+    assert setup(prepare(load_train_config(None, toy))).ref_model is None
+    assert _run(toy + ["run.steps=1"], "nokl")[0]["kl"] is None
+
+
+def test_later_ppo_epochs_are_off_policy_and_clipped(toy):
+    common = toy + ["rl.minibatches=1", "rl.lr=3e-2", "run.steps=3"]
+    assert all(r["clip_frac"] == 0 for r in _run(common + ["rl.ppo_epochs=1"], "one"))  # ratio 1: on-policy
+    assert max(r["clip_frac"] for r in _run(common + ["rl.ppo_epochs=4"], "four")) > 0
+
+
+def test_entropy_bonus_alone_raises_entropy(no_signal):
+    rows = _run(no_signal + ["rl.entropy_coef=1.0", "rl.lr=1e-2", "rl.minibatches=1", "run.steps=4"], "entropy")
+    assert rows[-1]["entropy"] > rows[0]["entropy"] + 0.05, [r["entropy"] for r in rows]
+
+
+def test_dynamic_sampling_skips_groups_whose_rewards_agree(no_signal, toy):
+    rows = _run(no_signal + ["rl.dynamic_sampling=true", "run.steps=2"], "dyn")
+    assert all(r["kept_groups_frac"] == 0 and r["loss"] is None for r in rows)  # nothing to learn from
+    rows = _run(no_signal + ["run.steps=1"], "nodyn")
+    assert rows[0]["kept_groups_frac"] == 1 and rows[0]["loss"] == 0  # kept, with zero advantages
+    rows = _run(toy + ["rl.dynamic_sampling=true", "run.steps=2"], "dyn-toy")
+    assert all(0 < r["kept_groups_frac"] <= 1 for r in rows)
+
+
+def test_overlong_mask_drops_truncated_responses_from_the_loss(toy):
+    rows = _run(toy + ["rl.overlong=mask", "run.steps=2"], "mask")
+    for r in rows:
+        assert r["truncated_frac"] > 0
+        assert r["kept_groups_frac"] == pytest.approx(1 - r["truncated_frac"])
