@@ -166,6 +166,33 @@ def test_tensorboard_logger_without_the_package_is_a_startup_error(toy, monkeypa
         train(load_train_config(None, toy + ["run.loggers=[mlflow]"]), log=lambda _: None)
 
 
+def test_tensorboard_and_wandb_receive_every_step(toy, tmp_path, monkeypatch):
+    """TensorBoard for real; W&B through a stand-in module (a real run needs its service),
+    which must be started offline unless WANDB_MODE says otherwise."""
+    import importlib.machinery
+    import types
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged, started = [], {}
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: started.update(kw) or types.SimpleNamespace(
+        log=lambda row, step: logged.append((step, row)), finish=lambda: started.update(finished=True))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    train(load_train_config(None, toy + ["run.steps=3", "run.loggers=[tensorboard,wandb]", "run.name=loggers"]),
+          log=lambda _: None, console=lambda _: None)
+    run = tmp_path / "runs" / "loggers"
+    rewards = [r["reward_mean"] for r in _rows(run)]
+    assert started["mode"] == "offline" and started["finished"] and started["name"] == "loggers"
+    assert [(step, row["reward_mean"]) for step, row in logged] == list(zip([1, 2, 3], rewards))
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    scalars = events.Scalars("reward_mean")
+    assert [e.step for e in scalars] == [1, 2, 3]
+    assert [e.value for e in scalars] == pytest.approx(rewards)
+
+
 def test_adaptive_drafter_trains_in_the_window_and_is_checkpointed(toy, model_dir, tmp_path):
     from tailtamer.model.drafter import init_drafter, load_drafter, save_drafter, weights_checksum
     from tailtamer.model.io import load_model
