@@ -1,5 +1,6 @@
 """The RL step's options in short toy runs: KL against a reference, PPO epochs, the entropy
-bonus, dynamic sampling and overlong masking, each checked by what it must change."""
+bonus, dynamic sampling, overlong masking and held-out evaluation, each checked by what it must
+change or equal."""
 
 from pathlib import Path
 
@@ -62,3 +63,29 @@ def test_overlong_mask_drops_truncated_responses_from_the_loss(toy):
     for r in rows:
         assert r["truncated_frac"] > 0
         assert r["kept_groups_frac"] == pytest.approx(1 - r["truncated_frac"])
+
+
+
+def test_held_out_evaluation_is_greedy_accuracy_of_the_checkpointed_policy(toy, tmp_path):
+    from tailtamer.model.io import load_model
+    from tailtamer.model.tokenizer import load_tokenizer
+    from tailtamer.rl.checkpoint import latest_checkpoint
+    from tailtamer.rl.rewards import resolve_reward
+    from tailtamer.rollout.engine import Engine
+    from tailtamer.rollout.sampling import SamplingParams
+
+    prompts = ["ab", "cd", "ef", "gh", "ij", "kl", "mn"]
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(f'{{"prompt": "{p}", "answer": "0"}}\n' for p in prompts))
+    overrides = toy + [f"data.eval={held_out}", "run.eval_every=2", "run.steps=2", "rl.lr=3e-3"]
+    cfg = load_train_config(None, overrides)
+    rows = _run(overrides, "eval")
+    assert "eval_accuracy" not in rows[0]
+    checkpoint = latest_checkpoint(Path(cfg.run.out_dir) / "eval")  # the policy after step 2
+    tok = load_tokenizer(checkpoint)
+    completions, _ = Engine(load_model(checkpoint), tok).generate(
+        [tok.encode(p) for p in prompts], SamplingParams(temperature=0, max_new_tokens=cfg.rollout.max_new_tokens))
+    reward = resolve_reward(cfg.rl.reward)
+    expected = sum(reward(c.text, "0") for c in completions) / len(prompts)
+    print(f"held-out greedy accuracy {expected:.3f}")
+    assert rows[1]["eval_accuracy"] == pytest.approx(expected)
