@@ -43,10 +43,14 @@ def odd_first_char(response, answer):
 '''
 
 
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 @pytest.fixture
 def toy(model_dir, tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in ["ab", "cd", "ef", "gh"]))
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p, "answer": "0"} for p in ["ab", "cd", "ef", "gh"]])
     reward = tmp_path / "toy_reward.py"
     reward.write_text(TOY_REWARD)
     return [f"run.model={model_dir}", f"data.train={data}", f"rl.reward={reward}:odd_first_char",

@@ -1,9 +1,8 @@
 """RL prompt datasets: JSONL and parquet, string or chat prompts, `answer` or verl's
 `reward_model.ground_truth`, too-long prompts skipped and counted, and errors naming file and row."""
 
-import json
-
 import pytest
+from conftest import write_jsonl
 
 from tailtamer.config import load_train_config
 from tailtamer.errors import DataError
@@ -19,11 +18,6 @@ ROWS = [
 ]
 
 
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def _expected(tok):
     chat = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
     return [{"prompt_ids": tok.encode("1+1="), "answer": "2"},
@@ -33,7 +27,7 @@ def _expected(tok):
 
 def test_string_and_chat_prompts_with_either_answer_field(tmp_path):
     tok = char_tokenizer()
-    rows, skipped = load_task_rows(_jsonl(tmp_path / "d.jsonl", ROWS), tok, max_prompt_tokens=256)
+    rows, skipped = load_task_rows(write_jsonl(tmp_path / "d.jsonl", ROWS), tok, max_prompt_tokens=256)
     assert skipped == 0
     assert rows == _expected(tok)
     # the whole conversation, then the generation prompt (decode drops the special tokens)
@@ -54,7 +48,7 @@ def test_parquet_reads_like_jsonl(tmp_path):
 
 def test_long_prompts_are_skipped_and_counted_not_truncated(tmp_path):
     tok = char_tokenizer()
-    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 40, "answer": "1"}, {"prompt": "short", "answer": "2"},
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 40, "answer": "1"}, {"prompt": "short", "answer": "2"},
                                          {"prompt": "y" * 41, "answer": "3"}])
     rows, skipped = load_task_rows(path, tok, max_prompt_tokens=40)
     assert skipped == 1
@@ -94,7 +88,7 @@ def test_missing_and_unreadable_files(tmp_path):
 
 
 def test_a_run_reports_skipped_prompts_and_a_bad_row_stops_it_before_any_work(toy, tmp_path):
-    data = _jsonl(tmp_path / "mixed.jsonl", [{"prompt": p, "answer": "0"} for p in ["ab", "cd", "ef", "gh"]]
+    data = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": p, "answer": "0"} for p in ["ab", "cd", "ef", "gh"]]
                   + [{"prompt": "z" * 300, "answer": "0"}])
     lines = []
     cfg = load_train_config(None, toy + [f"data.train={data}", "data.max_prompt_tokens=64", "run.steps=1",
@@ -102,7 +96,7 @@ def test_a_run_reports_skipped_prompts_and_a_bad_row_stops_it_before_any_work(to
     summary = train(cfg, log=lines.append, console=lambda _: None)
     assert summary["skipped_prompts"] == 1
     assert "skipped 1 prompts longer than data.max_prompt_tokens=64" in lines
-    broken = _jsonl(tmp_path / "broken.jsonl", [{"prompt": "ab", "answer": "0"}, {"prompt": "cd"}])
+    broken = write_jsonl(tmp_path / "broken.jsonl", [{"prompt": "ab", "answer": "0"}, {"prompt": "cd"}])
     cfg = load_train_config(None, toy + [f"data.train={broken}", "run.workers=1", "run.name=broken"])
     with pytest.raises(DataError, match=r"broken\.jsonl:2: row has no 'answer'"):
         train(cfg, log=lambda _: None)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import write_jsonl
 from tailtamer.config import load_train_config
 from tailtamer.rl.trainer import prepare, setup, train
 from test_trainer import _rows
@@ -76,7 +77,7 @@ def test_held_out_evaluation_is_greedy_accuracy_of_the_checkpointed_policy(toy, 
 
     prompts = ["ab", "cd", "ef", "gh", "ij", "kl", "mn"]
     held_out = tmp_path / "held_out.jsonl"
-    held_out.write_text("".join(f'{{"prompt": "{p}", "answer": "0"}}\n' for p in prompts))
+    write_jsonl(held_out, [{"prompt": p, "answer": "0"} for p in prompts])
     overrides = toy + [f"data.eval={held_out}", "run.eval_every=2", "run.steps=2", "rl.lr=3e-3"]
     cfg = load_train_config(None, overrides)
     rows = _run(overrides, "eval")
