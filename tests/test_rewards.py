@@ -9,7 +9,7 @@ from tailtamer.errors import ConfigError
 from tailtamer.rl.rewards import RewardScorer, resolve_reward
 
 USER = '''
-import time
+import os, signal, sys, time
 def exact(response, answer):
     return float(response.strip() == answer)
 def boom(response, answer):
@@ -19,6 +19,23 @@ def slow(response, answer):
     return 1.0
 def nan(response, answer):
     return float("nan")
+def text(response, answer):
+    return "0.5"
+def exits(response, answer):
+    os._exit(3)
+def kills(response, answer):
+    os.kill(os.getpid(), signal.SIGKILL)
+def quits(response, answer):
+    sys.exit(1)
+def chatty(response, answer):
+    print("a reward that prints")
+    return 1
+def sometimes(response, answer):
+    if response == "die":
+        os._exit(1)
+    if response == "hang":
+        time.sleep(30)
+    return float(response == answer)
 '''
 
 
@@ -44,15 +61,43 @@ def test_user_reward_from_a_module():
     assert fn("answer: 5", "5") == 1.0
 
 
-@pytest.mark.parametrize("name,counter", [("boom", "reward_errors"), ("nan", "reward_errors"), ("slow", "reward_timeouts")])
-def test_failing_rewards_score_zero_and_are_counted(user_file, name, counter):
-    scorer = RewardScorer(resolve_reward(f"{user_file}:{name}"), timeout_s=0.2)
+@pytest.mark.parametrize("name,kind", [("boom", "RuntimeError"), ("nan", "not a number"), ("text", "not a number"),
+                                       ("slow", "timeout"), ("exits", "process died"), ("kills", "process died"),
+                                       ("quits", "SystemExit")])
+def test_failing_rewards_score_zero_and_are_counted(user_file, name, kind):
+    """Whatever a reward does (raise, return garbage, hang, kill its own process), the sample
+    scores 0, the failure is counted by kind with its first message, and scoring goes on."""
+    scorer = RewardScorer(f"{user_file}:{name}", timeout_s=0.5)
     t0 = time.perf_counter()
-    assert scorer.score("x", "y") == 0.0
-    assert scorer.score("x", "y") == 0.0
-    assert time.perf_counter() - t0 < 5
+    assert scorer.score_batch([("x", "y"), ("x", "y")]) == [(0.0, False), (0.0, False)]
+    assert time.perf_counter() - t0 < 10
+    assert scorer.failures[kind]["count"] == 2 and scorer.failures[kind]["first"]
+    counter = "reward_timeouts" if kind == "timeout" else "reward_errors"
     assert scorer.counts()[counter] == 2
-    assert scorer.last_error
+    scorer.close()
+
+
+def test_a_crash_or_hang_is_charged_to_its_own_sample(user_file):
+    scorer = RewardScorer(f"{user_file}:sometimes", timeout_s=0.5)
+    got = scorer.score_batch([("a", "a"), ("die", "a"), ("b", "b"), ("hang", "a"), ("c", "d"), ("e", "e")])
+    assert got == [(1.0, True), (0.0, False), (1.0, True), (0.0, False), (0.0, True), (1.0, True)]
+    assert scorer.counts() == {"reward_errors": 1, "reward_timeouts": 1}
+
+
+def test_a_reward_that_prints_does_not_break_scoring(user_file, capfd):
+    scorer = RewardScorer(f"{user_file}:chatty")
+    assert scorer.score_batch([("x", "y")] * 3) == [(1.0, True)] * 3
+    assert "a reward that prints" in capfd.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="math-verify not installed")
+def test_the_math_reward_works_inside_the_scorer():
+    """math-verify times itself out with signal.alarm, which only works in a main thread: run
+    in a thread, every math reward silently scored 0."""
+    scorer = RewardScorer("math")
+    assert scorer.score_batch([(r"so \boxed{72}", "72"), (r"\boxed{\frac{1}{2}}", "0.5"), (r"\boxed{7}", "72")]) \
+        == [(1.0, True), (1.0, True), (0.0, True)]
+    assert scorer.failures == {}
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -64,6 +109,8 @@ def test_failing_rewards_score_zero_and_are_counted(user_file, name, counter):
 def test_unloadable_rewards_are_config_errors(spec, message):
     with pytest.raises(ConfigError, match=message):
         resolve_reward(spec)
+    with pytest.raises(ConfigError, match=message):  # found at start-up, in the reward's own process
+        RewardScorer(spec)
 
 
 def test_reward_module_that_fails_to_import(tmp_path):

@@ -1,19 +1,24 @@
 """Verifiable rewards: the built-in task's, a math-verify reward, and user functions.
 
-A reward function is `fn(response: str, answer: str) -> float`. One that raises, returns a
-non-number or runs past the timeout scores 0 for that sample; the failure is counted and
-logged, and the run goes on.
+A reward function is `fn(response: str, answer: str) -> float`. Rewards are user code, so
+they run in a separate process (`RewardScorer`): one that raises, returns something that is
+not a finite number, runs past the timeout, or kills its process (`os._exit`, a segfault)
+scores 0 for that sample; the failure is counted by kind with its first message, and the run
+goes on. Running them in a process of their own is also what lets math-verify use
+`signal.alarm` (it only can in a main thread).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
+import os
+import pickle
 import re
+import subprocess
 import sys
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +26,7 @@ from tailtamer.errors import ConfigError
 from tailtamer.tasks.arithmetic import reward as builtin_reward
 
 BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+START_TIMEOUT_S = 120.0  # importing a user's reward module (sympy, a verifier library) may be slow
 
 
 def math_reward(response: str, answer: str) -> float:
@@ -70,44 +76,153 @@ def resolve_reward(spec: str) -> Callable[[str, str], float]:
     return load_user_reward(spec)
 
 
+class NotANumber(ValueError):
+    """A reward function returned something other than a finite number."""
+
+
+def check_reward_value(value) -> float:
+    """The reward as a float, or NotANumber: a number (bool counts: `return answer == x`) that
+    is finite. A string such as '0.5' is refused, not parsed: it is a bug in the function."""
+    if isinstance(value, bool):
+        return float(value)
+    if not hasattr(value, "__float__") or isinstance(value, (str, bytes)):
+        raise NotANumber(f"returned {type(value).__name__} {value!r:.40}, not a number")
+    number = float(value)
+    if number != number or number in (float("inf"), float("-inf")):
+        raise NotANumber(f"returned {number}")
+    return number
+
+
 @dataclass
 class RewardScorer:
-    """Scores responses with a timeout per call (a daemon thread, so a hung call can neither
-    block the run nor its exit); counts failures instead of raising."""
+    """Scores responses in a child process (tailtamer/rl/reward_worker.py) with a timeout per
+    call. A call that times out or kills the child is charged to its own sample; the child is
+    restarted and the remaining samples go on. `reward` is a spec (`builtin`, `math`,
+    `module:function`, `file.py:function`) or a picklable function."""
 
-    fn: Callable[[str, str], float]
+    reward: str | Callable
     timeout_s: float = 5.0
-    errors: int = 0
-    timeouts: int = 0
-    last_error: str | None = None
+    failures: dict = field(default_factory=dict)  # kind -> {"count": n, "first": message}
+    _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _conn: Connection | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self._start()  # a reward that cannot load is a start-up error, not a failure per sample
+
+    # --- the child process ------------------------------------------------------------------
+
+    def _start(self) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tailtamer.rl.reward_worker", str(to_child_r), str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self._conn = _Duplex(from_child_r, to_child_w)
+        spec = self.reward if isinstance(self.reward, str) else pickle.dumps(self.reward)
+        self._conn.send((spec, sys.path))
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.close()
+            raise ConfigError(f"rl.reward {self._name()}: loading it took longer than {START_TIMEOUT_S:.0f} s")
+        try:
+            kind, message = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._stop()
+            raise ConfigError(f"rl.reward {self._name()}: its process died while loading it (exit code {code})") from None
+        if kind != "ready":
+            self.close()
+            raise ConfigError(message)
+
+    def _stop(self) -> int | None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        code = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            code = self._proc.wait()
+            self._proc = None
+        return code
+
+    def close(self) -> None:
+        self._stop()
+
+    def __del__(self):
+        self._stop()
+
+    def _name(self) -> str:
+        return self.reward if isinstance(self.reward, str) else getattr(self.reward, "__name__", repr(self.reward))
+
+    # --- scoring ----------------------------------------------------------------------------
+
+    def score_batch(self, items: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        """[(reward, ok)] for (response, answer) pairs, in order; a failed call gives (0.0, False)."""
+        out: list[tuple[float, bool]] = []
+        while len(out) < len(items):
+            if self._conn is None:
+                self._start()
+            pending = items[len(out):]
+            try:
+                self._conn.send(("score", pending))
+            except OSError:  # it died between batches: start a fresh one
+                self._stop()
+                continue
+            for _ in pending:
+                if not self._conn.poll(self.timeout_s):
+                    self._stop()
+                    out.append(self._fail("timeout", f"a call took longer than rl.reward_timeout_s={self.timeout_s}"))
+                    break
+                try:
+                    kind, value = self._conn.recv()
+                except (EOFError, OSError):
+                    code = self._stop()
+                    out.append(self._fail("process died", f"the reward's process died (exit code {code})"))
+                    break
+                out.append((value, True) if kind == "ok" else self._fail(kind, value))
+        return out
 
     def score(self, response: str, answer: str) -> float:
-        box: dict = {}
+        return self.score_batch([(response, answer)])[0][0]
 
-        def call():
-            try:
-                box["value"] = self.fn(response, answer)
-            except Exception as e:  # a user's reward can fail in any way: it scores 0 and is counted
-                box["error"] = e
-
-        worker = threading.Thread(target=call, daemon=True)
-        worker.start()
-        worker.join(self.timeout_s)
-        if worker.is_alive():
-            self.timeouts += 1
-            self.last_error = f"timed out after {self.timeout_s}s"
-            return 0.0
-        try:
-            if "error" in box:
-                raise box["error"]
-            value = float(box["value"])
-            if not math.isfinite(value):
-                raise ValueError(f"reward is {value}")
-            return value
-        except Exception as e:
-            self.errors += 1
-            self.last_error = f"{type(e).__name__}: {e}"
-            return 0.0
+    def _fail(self, kind: str, message: str) -> tuple[float, bool]:
+        entry = self.failures.setdefault(kind, {"count": 0, "first": message})
+        entry["count"] += 1
+        return 0.0, False
 
     def counts(self) -> dict:
-        return {"reward_errors": self.errors, "reward_timeouts": self.timeouts}
+        timeouts = self.failures.get("timeout", {}).get("count", 0)
+        return {"reward_errors": sum(v["count"] for v in self.failures.values()) - timeouts,
+                "reward_timeouts": timeouts}
+
+
+class _Duplex:
+    """A pickled-message channel over two pipe ends (read, write)."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self.reader, self.writer = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+
+    def send(self, obj) -> None:
+        self.writer.send(obj)
+
+    def recv(self):
+        return self.reader.recv()
+
+    def poll(self, timeout: float) -> bool:
+        return self.reader.poll(timeout)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
+
+
+def merge_failures(parts: list[dict]) -> dict:
+    """Failure tallies of several scorers (workers) summed by kind; the first message is the
+    lowest worker's."""
+    merged: dict = {}
+    for part in parts:
+        for kind, entry in part.items():
+            into = merged.setdefault(kind, {"count": 0, "first": entry["first"]})
+            into["count"] += entry["count"]
+    return merged

@@ -1,0 +1,69 @@
+"""The reward process (`python -m tailtamer.rl.reward_worker READ_FD WRITE_FD`), started by
+`RewardScorer`: it loads the reward once, then scores batches one call at a time, answering
+each call on its own so the trainer can charge a hang or a crash to the sample that caused it.
+
+Messages (pickled): in, `(spec, sys.path)` then `("score", [(response, answer), ...])`;
+out, `("ready", None)` or `(kind, message)` after loading, then per call `("ok", float)` or
+`(kind, message)` with kind the exception's type name or `not a number`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+
+def _exit_with_parent() -> None:
+    """A reward stuck in a loop must not outlive the trainer that started it."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(read_fd: int, write_fd: int) -> None:
+    _exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
+    # A reward that prints must not be able to corrupt the channel: stdout goes to stderr.
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    spec, path = inbox.recv()
+    sys.path[:] = path
+    from tailtamer.errors import ConfigError
+    from tailtamer.rl.rewards import NotANumber, check_reward_value, resolve_reward
+
+    try:
+        fn = resolve_reward(spec) if isinstance(spec, str) else pickle.loads(spec)
+    except ConfigError as e:
+        outbox.send(("config", str(e)))
+        return
+    except Exception as e:  # an unpicklable or unimportable function object
+        outbox.send(("config", f"rl.reward: cannot load the reward function ({type(e).__name__}: {e})"))
+        return
+    outbox.send(("ready", None))
+    while True:
+        try:
+            _, items = inbox.recv()
+        except EOFError:
+            return
+        for response, answer in items:
+            try:
+                outbox.send(("ok", check_reward_value(fn(response, answer))))
+            except NotANumber as e:
+                outbox.send(("not a number", f"the reward {e}"))
+            except (Exception, SystemExit) as e:  # user code can fail in any way: one sample scores 0, counted
+                outbox.send((type(e).__name__, f"{type(e).__name__}: {e}"))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
