@@ -5,6 +5,7 @@ plus dotted overrides (`tailtamer train cfg.yaml rl.lr=1e-6`), validated at star
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -14,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from tailtamer.config_fields import at_least, f
+from tailtamer.config_fields import at_least, f, positive
 from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError
 from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
@@ -43,7 +44,7 @@ def parse_yaml(text: str):
 
 @dataclass(frozen=True)
 class RunConfig:
-    name: str = f("default", "run directory name under out_dir")
+    name: str | None = f(None, "run directory name under out_dir; empty = default (default-2, ... when taken)")
     out_dir: str = f("runs", "where run directories are written")
     model: str | None = f(None, "policy model directory; empty = the built-in base model (tailtamer sft)")
     steps: int = f(40, "RL steps")
@@ -58,8 +59,7 @@ class RunConfig:
     def __post_init__(self):
         at_least(self, "run", 1, "steps")
         at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers")
-        if not self.dist_timeout_s > 0:
-            raise ConfigError(f"run.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        positive(self, "run", "dist_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ class RolloutConfig:
         at_least(self, "rollout", 1, "prompts_per_step", "group_size", "max_new_tokens", "max_batch_size")
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature must be > 0 for RL, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)
@@ -119,11 +121,13 @@ class RLConfig:
                 raise ConfigError(f"rl.{name} {getattr(self, name)!r} is unknown; choose one of {sorted(registry)}")
         if self.overlong not in ("none", "mask", "penalty"):
             raise ConfigError(f"rl.overlong must be none, mask or penalty, got {self.overlong!r}")
-        if not self.lr > 0 or self.kl_coef < 0:
-            raise ConfigError(f"rl: need lr > 0 and kl_coef >= 0, got {self.lr}, {self.kl_coef}")
-        at_least(self, "rl", 1, "ppo_epochs", "minibatches", "micro_batch_size", "micro_batch_tokens")
-        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            raise ConfigError(f"rl: clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        positive(self, "rl", "lr", "grad_clip", "reward_timeout_s")
+        at_least(self, "rl", 0, "kl_coef", "entropy_coef", "weight_decay", "warmup")
+        at_least(self, "rl", 1, "ppo_epochs", "minibatches", "micro_batch_size", "micro_batch_tokens",
+                 "overlong_buffer")
+        if not 0 <= self.clip_low < 1:
+            raise ConfigError(f"rl.clip_low must be in [0, 1), got {self.clip_low}")
+        at_least(self, "rl", 0, "clip_high")
 
 
 @dataclass(frozen=True)
@@ -163,14 +167,19 @@ def _coerce(value: Any, kind, where: str):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
         return value
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if kind in (int, str) and isinstance(value, kind) and not isinstance(value, bool):
         return value
     raise ConfigError(f"{where}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
 
 
-def from_dict(cls, data: dict | None, where: str = ""):
-    """Build a (nested) config dataclass, naming the dotted path of any unknown or bad field."""
+def from_dict(cls, data: dict | None, where: str = "", base=None):
+    """Build a (nested) config dataclass, naming the dotted path of any unknown or bad field.
+    Fields not in `data` keep their value in `base` (default: the class defaults), so a
+    section given in part keeps the enclosing config's default for the rest (the default
+    job's spec.mode stays adaptive when only spec.bs_threshold is set)."""
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -182,13 +191,18 @@ def from_dict(cls, data: dict | None, where: str = ""):
         if is_dataclass(kind):
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: expected a section (mapping), got {value!r}")
-            kwargs[fl.name] = from_dict(kind, value, f"{path}.")
+            section = getattr(base, fl.name) if base is not None else _field_default(fl)
+            kwargs[fl.name] = from_dict(kind, value, f"{path}.", section)
         else:
             kwargs[fl.name] = _coerce(value, kind, path)
     if data:
         known = ", ".join(fl.name for fl in fields(cls))
         raise ConfigError(f"unknown config field(s) {', '.join(where + k for k in data)}; known here: {known}")
-    return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+
+
+def _field_default(fl):
+    return fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
 
 
 def to_dict(cfg) -> dict:
@@ -238,13 +252,15 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = ())
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
 
 
-def config_help(cls=TrainConfig, where: str = "") -> list[str]:
+def config_help(cfg=None, where: str = "") -> list[str]:
+    """`field = default    help` for every field, with the defaults of the built-in job
+    (`TrainConfig()`, whose sections differ from their classes' own defaults)."""
+    cfg = TrainConfig() if cfg is None else cfg
     lines = []
-    for fl in fields(cls):
-        kind = typing.get_type_hints(cls)[fl.name]
-        if is_dataclass(kind):
-            lines += config_help(kind, f"{where}{fl.name}.")
+    for fl in fields(cfg):
+        value = getattr(cfg, fl.name)
+        if is_dataclass(value):
+            lines += config_help(value, f"{where}{fl.name}.")
         else:
-            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
-            lines.append(f"{where}{fl.name} = {default!r}    {fl.metadata.get('help', '')}")
+            lines.append(f"{where}{fl.name} = {value!r}    {fl.metadata.get('help', '')}")
     return lines

@@ -13,6 +13,12 @@ def at_least(section, name: str, minimum: int, *fields_: str) -> None:
             raise ConfigError(f"{name}.{fl} must be >= {minimum}, got {getattr(section, fl)}")
 
 
+def positive(section, name: str, *fields_: str) -> None:
+    for fl in fields_:
+        if not getattr(section, fl) > 0:
+            raise ConfigError(f"{name}.{fl} must be > 0, got {getattr(section, fl)}")
+
+
 def f(default, help: str):
     """A field with its help text (shown by `tailtamer train --help-config`)."""
     if isinstance(default, (list, dict)):

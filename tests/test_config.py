@@ -38,7 +38,15 @@ def test_yaml_1_2_scalars():
     (["rl.dynamic_sampling=1"], "expected true or false"),
     (["run.steps=0"], "run.steps must be >= 1"),
     (["rollout.temperature=0"], "temperature must be > 0"),
-    (["spec.mode=on"], "needs a drafter"),
+    (["spec.mode=on", "spec.drafter="], "needs a drafter"),
+    (["rl.grad_clip=-1"], "rl.grad_clip must be > 0"),
+    (["rl.reward_timeout_s=-1"], "rl.reward_timeout_s must be > 0"),
+    (["rl.kl_coef=.nan"], "rl.kl_coef: expected a finite number"),
+    (["rl.lr=.inf"], "rl.lr: expected a finite number"),
+    (["rollout.temperature=.inf"], "rollout.temperature: expected a finite number"),
+    (["rollout.top_p=1.5"], "rollout.top_p must be in (0, 1]"),
+    (["drafter.lr=0"], "drafter.lr must be > 0"),
+    (["spec.strategy=4_2"], "spec.strategy"),
     (["spec.acceptance=typical"], "refused"),
     (["rl.lr"], "not KEY=VALUE"),
 ])
@@ -56,11 +64,28 @@ def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="bad.yaml: malformed YAML"):
         load_train_config(bad)
     bad.write_text("rl:\n  clip_low: 2\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: rl: clip_low must be in \[0, 1\)"):
+    with pytest.raises(ConfigError, match=r"bad.yaml: rl.clip_low must be in \[0, 1\)"):
         load_train_config(bad)
+
+
+def _leaves(cfg, where=""):
+    from dataclasses import fields, is_dataclass
+
+    for fl in fields(cfg):
+        value = getattr(cfg, fl.name)
+        yield from _leaves(value, f"{where}{fl.name}.") if is_dataclass(value) else [(f"{where}{fl.name}", value)]
+
+
+@pytest.mark.parametrize("key,value", list(_leaves(TrainConfig())))
+def test_setting_one_field_keeps_the_rest_of_its_section(key, value):
+    """Overriding any field with the default job's own value gives the default job: a section
+    given in part starts from the job's section (spec.mode stays adaptive), not its class's."""
+    cfg = load_train_config(None, [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}"])
+    assert cfg == TrainConfig()
 
 
 def test_every_field_has_help():
     lines = config_help()
     assert any(line.startswith("rl.lr = 0.0001") for line in lines)
+    assert "spec.mode = 'adaptive'" in "\n".join(lines)  # the default job's, not SpecConfig()'s
     assert all(line.split("    ", 1)[1].strip() for line in lines if not line.startswith("spec."))

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from tailtamer.config_fields import at_least, f
+from tailtamer.config_fields import at_least, f, positive
 from tailtamer.drafter.buffer import DataBuffer, pairs
 from tailtamer.drafter.train import eagle_loss, pack
 from tailtamer.errors import ConfigError
@@ -41,80 +41,12 @@ class SpotConfig:
     def __post_init__(self):
         if self.single_worker not in ("never", "window"):
             raise ConfigError(f"drafter.single_worker must be never or window, got {self.single_worker!r}")
-        if not self.lr > 0 or self.window_s < 0 or not 0 <= self.long_quantile < 1:
-            raise ConfigError("drafter: need lr > 0, window_s >= 0 and long_quantile in [0, 1)")
+        positive(self, "drafter", "lr")
+        if not 0 <= self.long_quantile < 1:
+            raise ConfigError(f"drafter.long_quantile must be in [0, 1), got {self.long_quantile}")
+        at_least(self, "drafter", 0, "window_s")
         at_least(self, "drafter", 1, "tokens_per_step", "buffer_mb")
         at_least(self, "drafter", 0, "max_steps")
-
-
-def acceptance_rate(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """α = Σ_x min(p(x), q(x)) = 1 − TV(p, q): the chance that exact speculative sampling
-    accepts a draft token drawn from q when the target samples from p (Leviathan et al. 2023,
-    Thm. 3.5). Per position, shape (...)."""
-    p = torch.softmax(target_logits.float() / temperature, -1)
-    q = torch.softmax(draft_logits.float() / temperature, -1)
-    return torch.minimum(p, q).sum(-1)
-
-
-def expected_accept_length(alpha: torch.Tensor, mask: torch.Tensor, depth: int) -> float:
-    """E[tokens per verify] of a depth-`depth` chain started at each masked position t, with
-    teacher-forced acceptance rates: 1 + Σ_{k=1..depth} Π_{j<k} α_{t+j}. An estimate (the
-    drafter's later steps see its own features in a real rollout) that ranks drafters on the
-    same data."""
-    alpha = alpha.float() * mask
-    total, count = 0.0, 0
-    for row, m in zip(alpha, mask):
-        valid = int(m.sum())
-        if valid == 0:
-            continue
-        a = row[m]
-        prod = torch.ones(valid)
-        acc = torch.ones(valid)
-        for k in range(depth):
-            shifted = torch.zeros(valid)
-            shifted[: valid - k] = a[k:]
-            prod = prod * shifted
-            acc = acc + prod
-        total += acc.sum().item()
-        count += valid
-    return total / max(1, count)
-
-
-@torch.no_grad()
-def estimate_accept_length(drafter: Drafter, entries: list, depth: int, temperature: float = 1.0,
-                           budget: int = 2048, group_tokens: int = 1024) -> tuple[float, int]:
-    """(expected accept length, positions) of `drafter` on buffer entries, teacher-forced:
-    the fair way to compare two drafters (the adaptive one and a frozen copy of the warm-up)
-    on the same fresh responses. A metric, so it looks at an evenly strided subset of about
-    `budget` positions, packed `group_tokens` at a time (packing cost grows with its square)."""
-    size = sum(len(e.tokens) - 1 for e in entries)
-    entries = entries[:: max(1, -(-size // budget))]
-    groups, group, used = [], [], 0
-    for entry in entries:
-        size = len(entry.tokens) - 1
-        if group and used + size > group_tokens:
-            groups.append(group)
-            group, used = [], 0
-        group.append(entry)
-        used += size
-    if group:
-        groups.append(group)
-    total, count = 0.0, 0
-    dtype = drafter.fc.weight.dtype
-    for group in groups:
-        samples = [pairs(e) for e in group]
-        tokens, h_in, h_next, mask, positions, attn = pack(samples)
-        logits, _ = drafter(tokens, h_in.to(dtype), positions, attn)
-        alpha = acceptance_rate(drafter.target.lm_head(h_next.to(dtype)), logits, temperature)[0]
-        # one row per sample, so accepted chains never run across a sample boundary
-        width = max(len(x[0]) for x in samples)
-        rows, masks = torch.zeros(len(samples), width), torch.zeros(len(samples), width, dtype=torch.bool)
-        for i, part in enumerate(alpha.split([len(x[0]) for x in samples])):
-            rows[i, : len(part)], masks[i, : len(part)] = part, samples[i][3]
-        n = int(masks.sum())
-        total += expected_accept_length(rows, masks, depth) * n
-        count += n
-    return (total / count if count else 1.0), count
 
 
 class SpotTrainer:
