@@ -1,0 +1,86 @@
+"""How many tokens per target forward a drafter would give on responses it has not drafted:
+the teacher-forced expected accept length, to compare drafters on the same data (the adaptive
+one against a frozen copy of the warm-up drafter) without running an SD rollout.
+
+It follows the engine's rule (rollout/speculative.py): the drafter's depth-D chain proposes its
+top-1 token d at each level, and the exact walk accepts d with probability p(d), p the
+target's processed distribution (temperature, top-p) there. Teacher-forced: level k drafts
+from the target's true features of the response rather than from its own, so the estimate
+is an upper bound of what a rollout measures; how close it comes is tested against the engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tailtamer.drafter.buffer import pairs
+from tailtamer.drafter.train import pack
+from tailtamer.rollout.sampling import SamplingParams, target_probs
+
+
+def chain_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """α = p(d) with d = argmax q (the drafter's top-1) and p = target_probs(target_logits):
+    the probability that the exact walk accepts a deterministic draft (SpecInfer; not
+    1 − TV(p, q), which is the acceptance of a draft *sampled* from q). Shape (...)."""
+    d = draft_logits.argmax(-1, keepdim=True)
+    return torch.gather(target_probs(target_logits, params), -1, d).squeeze(-1)
+
+
+def expected_steps(alpha: np.ndarray, depth: int) -> float:
+    """E[number of SD steps] to emit a response of n = len(alpha) + 1 tokens whose first one
+    came from prefill, where alpha[i] is the chance the draft after response token i is
+    accepted. A step with pending token i emits m tokens: m − 1 accepted drafts then one from
+    the target, P(m) = Π_{j<m−1} α_{i+j} · (1 − α_{i+m−1}) for m ≤ D and Π_{j<D} α_{i+j} for
+    m = D + 1; the next step starts at i + m. Drafts past the last token are never accepted.
+    The accept length the engine reports is tokens / steps, so this is the denominator."""
+    n = len(alpha) + 1
+    a = np.zeros(n + depth + 1)
+    a[: n - 1] = alpha
+    start = np.zeros(n + depth + 1)
+    start[0] = 1.0
+    steps = 0.0
+    for i in range(n - 1):
+        p = start[i]
+        if p == 0.0:
+            continue
+        steps += p
+        for m in range(1, depth + 1):
+            start[i + m] += p * (1.0 - a[i + m - 1])
+            p *= a[i + m - 1]
+        start[i + depth + 1] += p
+    return steps
+
+
+@torch.no_grad()
+def estimate_accept_length(drafter, entries: list, depth: int, params: SamplingParams,
+                           budget: int = 2048, group_tokens: int = 1024) -> tuple[float, float]:
+    """(expected accept length, expected SD steps) of `drafter`'s depth-`depth` chain on
+    buffer entries: Σ tokens / Σ E[steps] over the responses, as the engine counts it (the
+    steps weigh estimates of several workers into one). A metric, so it looks at an evenly
+    strided subset of about `budget` pair positions, packed `group_tokens` at a time."""
+    size = sum(len(e.tokens) - 1 for e in entries)
+    entries = [e for e in entries[:: max(1, -(-size // budget))] if e.response_len > 1]
+    groups, group, used = [], [], 0
+    for entry in entries:
+        if group and used + len(entry.tokens) - 1 > group_tokens:
+            groups.append(group)
+            group, used = [], 0
+        group.append(entry)
+        used += len(entry.tokens) - 1
+    if group:
+        groups.append(group)
+    tokens = steps = 0.0
+    dtype = drafter.fc.weight.dtype
+    for group in groups:
+        samples = [pairs(e) for e in group]
+        ids, h_in, h_next, _, positions, attn = pack(samples)
+        logits, _ = drafter(ids, h_in.to(dtype), positions, attn)
+        alpha = chain_acceptance(drafter.target.lm_head(h_next.to(dtype)), logits, params)[0]
+        for entry, part in zip(group, alpha.split([len(x[0]) for x in samples])):
+            # pair j holds the pending token x_{j+1}; the response's tokens start at pair start − 1,
+            # and the last pair predicts past the response's end
+            response = part[entry.response_start - 1: -1].double().numpy()
+            tokens += entry.response_len - 1
+            steps += expected_steps(response, depth)
+    return (tokens / steps if steps else 1.0), steps
