@@ -140,3 +140,47 @@ def test_timeline_plot(tmp_path):
     assert timeline_segments(timeline) == [(0.0, 0.2, "plain"), (0.2, 0.3, "4_2_8"), (0.3, 0.32, "2_1_3")]
     path = plot_rollout_timeline(timeline, tmp_path / "t.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_switch_to_sd_is_charged_to_no_arm(monkeypatch):
+    """At the switch the drafter catches up on every token the plain phase decoded. On a clock
+    where only forwards take time (the target 1 per call, the drafter 0.05 per token per row),
+    that catch-up would make the first SD pull of each rollout look slower than plain decoding
+    and the bandit would settle on plain; charged to no arm, SD (accept length ~2.4 here) wins."""
+    from types import SimpleNamespace
+
+    import tailtamer.rollout.engine as engine_module
+    from tailtamer.drafter.train import DrafterTrainConfig, train_drafter
+    from tailtamer.rollout.engine import Engine, EngineConfig
+    from tailtamer.rollout.sampling import SamplingParams
+    from tailtamer.rollout.speculative import EagleProposer
+    from test_spot import _bigram_target
+
+    model = _bigram_target()
+    prompts = torch.randint(3, 90, (8, 5), generator=torch.Generator().manual_seed(0)).tolist()
+    own, _ = Engine(model, None, EngineConfig(max_batch_size=64), eos_ids=(1,)).generate(
+        prompts, SamplingParams(temperature=1.0, n=8, max_new_tokens=40, seed=9))
+    drafter, _ = train_drafter(model, [prompts[c.prompt_index] + c.token_ids for c in own],
+                               DrafterTrainConfig(steps=150, batch_size=16, lr=3e-3), log=lambda _: None)
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def costs(forward, per_token):
+        def timed(ids, *args, **kwargs):
+            clock[0] += per_token * ids.shape[1] if per_token else 1.0
+            return forward(ids, *args, **kwargs)
+        return timed
+
+    monkeypatch.setattr(model, "decode", costs(model.decode, 0))
+    monkeypatch.setattr(drafter, "decode", costs(drafter.decode, 0.05))
+    tuner = BEGTuner([S("4_1_5")], [1], epsilon=0.0, window=30)
+    engine = Engine(model, None, EngineConfig(max_batch_size=2), eos_ids=(1,), proposer=EagleProposer(drafter),
+                    tuner=tuner, bs_threshold=1)
+    catch_up = 0.0
+    for i, prompt in enumerate(prompts):  # each rollout: two samples, SD once one of them is done
+        _, stats = engine.generate([prompt], SamplingParams(temperature=1.0, n=2, max_new_tokens=60, seed=i))
+        catch_up += stats.catch_up_s
+    bucket = tuner.summary()["buckets"][0]
+    assert bucket["best"] == "4_1_5", bucket
+    assert bucket["pulls"]["4_1_5"] > 3 * bucket["pulls"][NO_SD], bucket
+    assert catch_up > 0

@@ -84,6 +84,7 @@ class RolloutStats:
     sd_steps: int = 0
     sd_seconds: float = 0.0
     plain_seconds: float = 0.0  # decode steps without speculation
+    catch_up_s: float = 0.0  # the drafter catching up at each switch to SD (charged to no arm)
     by_strategy: dict[str, dict] = field(default_factory=dict)  # name -> steps, seconds, tokens, request_steps
     accept_lens: dict[int, int] = field(default_factory=dict)  # tokens emitted per request-step -> count
     depth_accepts: dict[int, int] = field(default_factory=dict)  # draft depth d -> request-steps accepting >= d
@@ -127,6 +128,7 @@ class RolloutStats:
             "sd_steps": self.sd_steps,
             "sd_seconds": self.sd_seconds,
             "plain_seconds": self.plain_seconds,
+            "catch_up_s": self.catch_up_s,
             "by_strategy": {k: {**v, "accept_len": v["tokens"] / v["request_steps"]} for k, v in self.by_strategy.items()},
             "accept_len_mean": self.accept_len_mean,
             "accept_len_hist": {str(k): v for k, v in sorted(self.accept_lens.items())},
@@ -210,9 +212,11 @@ class Engine:
         cache = self._cache_for(slots, longest)
         queue, running, done = deque(requests), [], []
         stats, start = RolloutStats(), time.perf_counter()
+        speculating = False  # was the last step an SD step (then the drafter is caught up)
         while queue or running:
             admitted = self._admit(queue, running, slots)
             if admitted:
+                speculating = False
                 t0 = time.perf_counter()
                 self._prefill(admitted, cache, params)
                 stats.prefill_s += time.perf_counter() - t0
@@ -220,6 +224,13 @@ class Engine:
             else:
                 tail = self.proposer is not None and (self.bs_threshold is None or len(running) <= self.bs_threshold)
                 strategy = self.tuner.select(len(running)) if tail else None
+                if strategy is not None and not speculating:
+                    # The switch: the drafter catches up on what plain steps and prefills
+                    # left, charged to no arm (the first arm pulled would otherwise pay it).
+                    t0 = time.perf_counter()
+                    if self.proposer.catch_up(running):
+                        stats.catch_up_s += time.perf_counter() - t0
+                speculating = strategy is not None
                 t0, before = time.perf_counter(), sum(len(r.output_ids) for r in running)
                 if strategy is not None:
                     self._speculate(running, cache, params, stats, strategy)

@@ -69,6 +69,9 @@ class NgramProposer:
     def move_slot(self, src: int, dst: int, rows: int) -> None:
         pass
 
+    def catch_up(self, running) -> bool:
+        return False  # it reads the text itself: nothing to process at the switch
+
     def register(self, requests) -> None:
         """Group requests by prompt so each can read its siblings' responses."""
         self.groups = {}

@@ -35,6 +35,8 @@ class SamplingParams:
         if self.n < 1:
             raise ConfigError(f"n must be >= 1, got {self.n}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop strings must be non-empty, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:

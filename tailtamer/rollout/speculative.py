@@ -64,7 +64,10 @@ class SpecConfig:
             raise ConfigError(f"spec.acceptance {self.acceptance!r} is refused: tailtamer only verifies "
                               f"losslessly ({', '.join(ACCEPTANCE_RULES)}); a relaxed rule would change "
                               f"what the policy samples")
-        Strategy.parse(self.strategy)
+        try:
+            Strategy.parse(self.strategy)
+        except ConfigError as e:
+            raise ConfigError(f"spec.strategy: {e}") from None
         if self.mode != "off" and not self.drafter:
             raise ConfigError(f"spec.mode {self.mode} needs a drafter: a drafter directory or 'ngram'")
         if self.tuner not in ("beg", "fixed"):
@@ -254,24 +257,46 @@ class EagleProposer:
     def move_slot(self, src: int, dst: int, rows: int) -> None:
         self.cache.copy_slot(src, dst, rows)
 
-    def propose(self, running, starts: torch.Tensor, strategy: Strategy) -> Tree:
-        B, dev = len(running), starts.device
-        width = max(len(r.extend_tokens) for r in running)
+    def catch_up(self, running) -> bool:
+        """Run the drafter over every pending pair but each request's last: the backlog a
+        plain phase (or a prefill) leaves. The engine times it apart from the SD step that
+        follows, so the bandit does not charge the switch to the first arm it pulls. Returns
+        whether there was a backlog."""
+        behind = [r for r in running if len(r.extend_tokens) > 1]
+        if behind:
+            self._extend(behind, keep_last=True)
+        return bool(behind)
+
+    def _extend(self, running, keep_last: bool = False):
+        """Draft extend: the drafter over the requests' pending pairs (all, or all but the
+        last), writing its cache rows; returns its logits and features at each request's last
+        pair processed."""
+        dev = self.drafter.fc.weight.device
+        B, cut = len(running), 1 if keep_last else 0
+        lengths = [len(r.extend_tokens) - cut for r in running]
+        width = max(lengths)
         H = running[0].extend_hidden[0].shape[-1]
         ids = torch.zeros(B, width, dtype=torch.long, device=dev)
         hidden = torch.zeros(B, width, H, dtype=self.drafter.fc.weight.dtype, device=dev)
-        for b, r in enumerate(running):
-            ids[b, : len(r.extend_tokens)] = torch.tensor(r.extend_tokens, device=dev)
-            hidden[b, : len(r.extend_tokens)] = torch.cat(r.extend_hidden)
+        for b, (r, n) in enumerate(zip(running, lengths)):
+            ids[b, :n] = torch.tensor(r.extend_tokens[:n], device=dev)
+            hidden[b, :n] = torch.cat(r.extend_hidden)[:n]
         draft_starts = torch.tensor([r.draft_cached for r in running], device=dev)
-        logits, out = self.drafter.decode(ids, hidden, self.cache, slice(0, B), draft_starts)
-        last = torch.tensor([len(r.extend_tokens) - 1 for r in running], device=dev)
-        rows = torch.arange(B, device=dev)
-        for r in running:
-            r.draft_cached += len(r.extend_tokens)
-            r.extend_tokens, r.extend_hidden = [], []
+        slot_ids = [r.slot for r in running]
+        slots = slice(0, B) if slot_ids == list(range(B)) else torch.tensor(slot_ids, device=dev)
+        logits, out = self.drafter.decode(ids, hidden, self.cache, slots, draft_starts)
+        for r, n in zip(running, lengths):
+            r.draft_cached += n
+            rest = torch.cat(r.extend_hidden)[n:]
+            r.extend_tokens, r.extend_hidden = r.extend_tokens[n:], [rest] if len(rest) else []
+        rows, last = torch.arange(B, device=dev), torch.tensor(lengths, device=dev) - 1
+        return logits[rows, last], out[rows, last]
+
+    def propose(self, running, starts: torch.Tensor, strategy: Strategy) -> Tree:
+        B, dev = len(running), starts.device
+        logits, out = self._extend(running)
         pending = torch.tensor([r.output_ids[-1] for r in running], device=dev)
-        return eagle_tree(self.drafter, self.cache, B, starts, logits[rows, last], out[rows, last], pending, strategy)
+        return eagle_tree(self.drafter, self.cache, B, starts, logits, out, pending, strategy)
 
 
 def make_speculator(spec: SpecConfig, target) -> dict:
