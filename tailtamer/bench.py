@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tailtamer.model.io import load_model
+from tailtamer.model.io import load_model, load_pretrained
 from tailtamer.model.transformer import KVCache
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
@@ -133,13 +133,12 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
     runs are interleaved and use the same seeds, so they emit the same tokens (checked)."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
-    from tailtamer.model.tokenizer import load_tokenizer
     from tailtamer.rollout.ngram import NgramProposer
     from tailtamer.rollout.speculative import EagleProposer, Strategy
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
     path = _default_model_dir(model_dir)
-    model, tokenizer = load_model(path), load_tokenizer(path)
+    model, tokenizer = load_pretrained(path)
     drafter = load_drafter(ensure_builtin_drafter(path), model)
     problems = ArithmeticTask(min_ops=4).dataset(max(batches + (8,)), seed=424242)
     params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1)
@@ -178,12 +177,11 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     three emit the same tokens; runs are interleaved and timed in one process."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
-    from tailtamer.model.tokenizer import load_tokenizer
     from tailtamer.rollout.speculative import EagleProposer, SpecConfig
     from tailtamer.tasks.arithmetic import ArithmeticTask, reward
 
     path = _default_model_dir(model_dir)
-    model, tokenizer = load_model(path), load_tokenizer(path)
+    model, tokenizer = load_pretrained(path)
     drafter = load_drafter(ensure_builtin_drafter(path), model)
     problems = ArithmeticTask().dataset(prompts, seed=31337)
     ids = [tokenizer.encode(p["prompt"]) for p in problems]

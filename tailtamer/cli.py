@@ -11,7 +11,34 @@ import sys
 from pathlib import Path
 
 from tailtamer.errors import TailtamerError
+from tailtamer.stopping import Interrupted
 from tailtamer.rollout.speculative import SpecConfig
+
+
+def output_file(path: str, flag: str) -> None:
+    """An output file must be writable where it is asked for, checked before any work."""
+    p = Path(path)
+    if p.is_dir():
+        raise TailtamerError(f"{flag} {path} is a directory; give a file path")
+    if any(parent.is_file() for parent in p.parents):
+        raise TailtamerError(f"{flag} {path}: a parent of it is a file")
+
+
+def fresh_output_dir(path: str, flag: str) -> None:
+    """A directory a command writes a model into: never over a file or another model."""
+    p = Path(path)
+    if p.is_file():
+        raise TailtamerError(f"{flag} {path} is a file; give a directory to create")
+    if p.is_dir() and any(p.iterdir()):
+        raise TailtamerError(f"{flag} {path} already exists and is not empty; give a new directory")
+    if any(parent.is_file() for parent in p.parents):
+        raise TailtamerError(f"{flag} {path}: a parent of it is a file")
+
+
+def at_least_one(value: int, flag: str) -> int:
+    if value < 1:
+        raise TailtamerError(f"{flag} must be >= 1, got {value}")
+    return value
 
 
 def cmd_train(args) -> None:
@@ -36,8 +63,8 @@ def cmd_train(args) -> None:
 
 def cmd_generate(args) -> None:
     from tailtamer.atomic import atomic_write_json, atomic_write_text
-    from tailtamer.model.io import load_model
-    from tailtamer.model.tokenizer import load_tokenizer
+    from tailtamer.device import resolve_device
+    from tailtamer.model.io import load_pretrained
     from tailtamer.rl.data import load_prompts
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
@@ -47,9 +74,12 @@ def cmd_generate(args) -> None:
                       tuner=args.tuner)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
-    tokenizer = load_tokenizer(args.model)
+    device = resolve_device(args.device)
+    output_file(args.out, "--out")
+    if args.stats:
+        output_file(args.stats, "--stats")
+    model, tokenizer = load_pretrained(args.model, args.dtype, device)
     rows, prompts = load_prompts(args.prompts, tokenizer)
-    model = load_model(args.model, args.dtype, args.device)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
                     **make_speculator(spec, model))
     labels = [f"{args.prompts}:{row['_row']}" for row in rows]
@@ -73,12 +103,12 @@ def cmd_drafter_train(args) -> None:
     from tailtamer.atomic import atomic_write_json
     from tailtamer.drafter.train import DrafterTrainConfig, encode_texts, read_texts, train_drafter
     from tailtamer.model.drafter import load_drafter, save_drafter
-    from tailtamer.model.io import load_model
-    from tailtamer.model.tokenizer import load_tokenizer
+    from tailtamer.model.io import load_pretrained
 
+    fresh_output_dir(args.out, "--out")
     cfg = replace(DrafterTrainConfig(), **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
                                                               ("seed", args.seed)) if v is not None})
-    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    model, tokenizer = load_pretrained(args.model)
     if args.data == "builtin":
         from tailtamer.tasks.arithmetic import ArithmeticTask
 
@@ -100,6 +130,7 @@ def cmd_sft(args) -> None:
     given = {"steps": args.steps, "habit_steps": args.habit_steps, "seed": args.seed, "preset": args.preset}
     cfg = replace(SFTConfig(), **{k: v for k, v in given.items() if v is not None})
     if args.out:
+        fresh_output_dir(args.out, "--out")
         info = train_sft(cfg, args.out)
         print(f"wrote the base model to {args.out} (final loss {info['final_loss']:.4f})")
     else:
@@ -111,6 +142,7 @@ def cmd_init_model(args) -> None:
     from tailtamer.model.io import init_model, save_model
     from tailtamer.model.tokenizer import char_tokenizer, load_tokenizer
 
+    fresh_output_dir(args.out, "--out")
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else char_tokenizer()
     arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[args.arch]
     cfg = preset_config(args.preset, tokenizer.vocab_size, architecture=arch,
@@ -125,7 +157,8 @@ def cmd_task(args) -> None:
     from tailtamer.atomic import atomic_write_text
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
-    rows = ArithmeticTask().dataset(args.n, args.seed)
+    output_file(args.out, "--out")
+    rows = ArithmeticTask().dataset(at_least_one(args.n, "--n"), args.seed)
     atomic_write_text(args.out, "".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n"
                                         for r in rows))
     print(f"wrote {len(rows)} built-in task prompts to {args.out}")
@@ -134,6 +167,8 @@ def cmd_task(args) -> None:
 def cmd_demo(args) -> None:
     from tailtamer.demo import run_demo
 
+    at_least_one(args.prompts, "--prompts")
+    at_least_one(args.n, "--n")
     run_demo(out_dir=Path(args.out), n_prompts=args.prompts, n=args.n, seed=args.seed,
              model=Path(args.model) if args.model else None)
 
@@ -143,6 +178,11 @@ def cmd_bench(args) -> None:
 
     if args.preset and args.model:
         raise TailtamerError("give --model or --preset, not both")
+    at_least_one(args.repeats, "--repeats")
+    at_least_one(args.steps, "--steps")
+    at_least_one(args.new_tokens, "--new-tokens")
+    if args.out:
+        output_file(args.out, "--out")
     if args.what == "train":
         if args.model or args.preset:
             raise TailtamerError("bench train runs the built-in default job; change it with --set key=value")
@@ -186,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when this PyTorch has a GPU, else cpu)")
     g.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     g.add_argument("--stats", help="write throughput and the running-requests timeline as JSON")
     g.set_defaults(func=cmd_generate)
@@ -258,6 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+    except Interrupted as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("stopped: interrupted (Ctrl-C); files are written atomically, so nothing is half-written",
+              file=sys.stderr)
+        return 130
     except TailtamerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

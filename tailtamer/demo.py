@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 from tailtamer.atomic import atomic_write_json, atomic_write_text
-from tailtamer.model.io import load_model
-from tailtamer.model.tokenizer import load_tokenizer
+from tailtamer.model.io import load_pretrained
 from tailtamer.rollout.engine import Engine, EngineConfig, RolloutStats
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.sft import SFTConfig, ensure_base_model
@@ -38,8 +37,8 @@ def evaluate(model_dir: Path, n_prompts: int, n: int, seed: int, temperature: fl
              max_new_tokens: int = 512, max_batch_size: int = 512):
     task = ArithmeticTask()
     problems = task.dataset(n_prompts, HELD_OUT_SEED + seed)
-    tokenizer = load_tokenizer(model_dir)
-    engine = Engine(load_model(model_dir), tokenizer, EngineConfig(max_batch_size=max_batch_size))
+    model, tokenizer = load_pretrained(model_dir)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_batch_size))
     params = SamplingParams(temperature=temperature, n=n, max_new_tokens=max_new_tokens, seed=seed)
     completions, stats = engine.generate([tokenizer.encode(p["prompt"]) for p in problems], params)
     rewards = [reward(c.text, problems[c.prompt_index]["answer"]) for c in completions]

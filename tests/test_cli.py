@@ -70,7 +70,7 @@ def test_bad_prompt_files_name_file_and_row(model_dir, tmp_path, capsys, content
 
 def test_missing_files_are_clear_errors(model_dir, tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompts", "x", "--out", "y"]) == 2
-    assert "tokenizer.json not found" in capsys.readouterr().err
+    assert "nope: model directory not found" in capsys.readouterr().err
     assert main(["generate", "--model", str(model_dir), "--prompts", str(tmp_path / "none.jsonl"),
                  "--out", "y"]) == 2
     assert "none.jsonl: file not found" in capsys.readouterr().err
@@ -150,3 +150,111 @@ def test_drafter_train_bad_data(model_dir, tmp_path, capsys):
     data = _write(tmp_path / "d.jsonl", [json.dumps({"text": "ok"}), json.dumps({"prompt": 1})])
     assert main(["drafter", "train", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o")]) == 2
     assert "d.jsonl:2: need a string 'text'" in capsys.readouterr().err
+
+
+def _broken_model(model_dir, tmp_path, how):
+    """A copy of the test model broken in one way."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tailtamer.model.tokenizer import CHAR_SPECIALS, char_tokenizer
+
+    out = tmp_path / f"broken-{how}"
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    if how == "eps":
+        config["rms_norm_eps"] = "abc"
+    elif how == "rope":
+        config["rope_scaling"] = "linear"
+        config.pop("rope_parameters", None)
+    elif how == "eos":
+        config["eos_token_id"] = "</s>"
+    elif how == "nan":
+        tensors = load_file(str(out / "model.safetensors"))
+        tensors["model.norm.weight"][0] = float("nan")
+        save_file(tensors, str(out / "model.safetensors"))
+    elif how == "vocab":
+        config["vocab_size"] = len(CHAR_SPECIALS) + 10
+        tensors = load_file(str(out / "model.safetensors"))
+        tensors = {k: (v[: config["vocab_size"]] if v.shape[0] == char_tokenizer().vocab_size else v)
+                   for k, v in tensors.items()}
+        save_file({k: torch.as_tensor(v).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("how,message", [
+    ("eps", "config.json: rms_norm_eps must be a number, got 'abc'"),
+    ("rope", "config.json: rope_scaling / rope_parameters must be an object, got 'linear'"),
+    ("eos", "config.json: bos_token_id, eos_token_id and pad_token_id must be token ids"),
+    ("nan", "model.safetensors: non-finite values (NaN or inf) in 1 tensor(s): norm.weight"),
+    ("vocab", "tokenizer.json: 101 token ids but the model's vocab_size is 15"),
+])
+def test_broken_model_directories_are_one_line_errors(model_dir, tmp_path, capsys, how, message):
+    model = _broken_model(model_dir, tmp_path, how)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+                 "--temperature", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
+    assert not out.exists()
+
+
+def _generate(model_dir, tmp_path, *extra, out=None):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
+    return main(["generate", "--model", str(model_dir), "--prompts", str(prompts),
+                 "--out", str(out or tmp_path / "o.jsonl"), "--max-new-tokens", "2", *extra])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("model-is-a-file", "is a file; a model is a directory"),
+    ("device-banana", "--device: 'banana' is not a device"),
+    ("device-cuda", "--device: cuda was asked for, but this PyTorch build sees no CUDA GPU"),
+    ("out-is-a-dir", "--out {tmp}/outdir is a directory"),
+    ("stats-is-a-dir", "--stats {tmp}/outdir is a directory"),
+    ("empty-stop", "stop strings must be non-empty"),
+    ("bad-utf8", "p8.jsonl:2: not valid UTF-8"),
+])
+def test_bad_generate_arguments_are_one_line_errors(model_dir, tmp_path, capsys, case, message):
+    import torch
+
+    if case == "device-cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    (tmp_path / "outdir").mkdir()
+    args = {"model-is-a-file": ["--model-file"], "device-banana": ["--device", "banana"],
+            "device-cuda": ["--device", "cuda"], "out-is-a-dir": [], "stats-is-a-dir": ["--stats", str(tmp_path / "outdir")],
+            "empty-stop": ["--stop", ""], "bad-utf8": []}[case]
+    if case == "model-is-a-file":
+        code = _generate(model_dir / "config.json", tmp_path)
+    elif case == "out-is-a-dir":
+        code = _generate(model_dir, tmp_path, out=tmp_path / "outdir")
+    elif case == "bad-utf8":
+        bad = tmp_path / "p8.jsonl"
+        bad.write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff\xfe"}\n')
+        code = main(["generate", "--model", str(model_dir), "--prompts", str(bad), "--out", str(tmp_path / "o.jsonl")])
+    else:
+        code = _generate(model_dir, tmp_path, *args)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert message.format(tmp=tmp_path) in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["task", "--n", "-3", "--out", "{tmp}/t.jsonl"], "--n must be >= 1, got -3"),
+    (["init-model", "--preset", "tiny", "--out", "{tmp}/file"], "--out {tmp}/file is a file"),
+    (["init-model", "--preset", "tiny", "--out", "{tmp}/full"], "--out {tmp}/full already exists and is not empty"),
+    (["bench", "decode", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["demo", "--prompts", "0"], "--prompts must be >= 1, got 0"),
+])
+def test_bad_arguments_of_other_commands(tmp_path, capsys, argv, message):
+    (tmp_path / "file").write_text("precious")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and message.format(tmp=tmp_path) in err, err
+    assert (tmp_path / "file").read_text() == "precious" and (tmp_path / "full" / "config.json").read_text() == "{}"

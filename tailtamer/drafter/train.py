@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from tailtamer.atomic import atomic_write_json
 from tailtamer.errors import ConfigError, DataError
 from tailtamer.model.drafter import Drafter, init_drafter, save_drafter
-from tailtamer.model.io import load_model
-from tailtamer.model.tokenizer import load_tokenizer
+from tailtamer.model.io import load_pretrained
 from tailtamer.model.transformer import Transformer
 from tailtamer.sft import make_batch
 
@@ -170,7 +169,7 @@ def ensure_builtin_drafter(model_dir: Path, cfg: DrafterTrainConfig = DrafterTra
     out = model_dir.parent / f"{model_dir.name}-drafter-{cfg.key()}"
     if not (out / "train.json").is_file():
         log(f"warming up a drafter for {model_dir} into {out}")
-        target, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+        target, tokenizer = load_pretrained(model_dir)
         problems = ArithmeticTask().dataset(4000, seed=cfg.seed + 7)
         seqs = encode_texts(tokenizer, [p["prompt"] + p["trace"] for p in problems], cfg.max_len)
         drafter, info = train_drafter(target, seqs, cfg, log=log)

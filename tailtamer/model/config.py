@@ -51,6 +51,14 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool)
+                                          or self.head_dim <= 0):
+            raise ConfigError(f"head_dim must be a positive integer, got {self.head_dim!r}")
+        ids = [self.bos_token_id, self.pad_token_id] + (
+            list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id])
+        if any(i is not None and (not isinstance(i, int) or isinstance(i, bool) or i < 0) for i in ids):
+            raise ConfigError(f"bos_token_id, eos_token_id and pad_token_id must be token ids (integers >= 0), "
+                              f"got {self.bos_token_id!r}, {self.eos_token_id!r}, {self.pad_token_id!r}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -105,6 +113,8 @@ class ModelConfig:
         if missing:
             raise CheckpointError(f"{source}: missing required field(s) {', '.join(missing)}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise CheckpointError(f"{source}: rope_scaling / rope_parameters must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
@@ -113,6 +123,19 @@ class ModelConfig:
         if raw.get("use_sliding_window"):
             raise CheckpointError(f"{source}: sliding-window attention is not supported")
         qwen2 = arch == "Qwen2ForCausalLM"
+
+        def number(name: str, default: float, where: dict = raw) -> float:
+            value = where.get(name, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise CheckpointError(f"{source}: {name} must be a number, got {value!r}")
+            return float(value)
+
+        def flag(name: str) -> bool:
+            value = raw.get(name, False)
+            if not isinstance(value, bool):
+                raise CheckpointError(f"{source}: {name} must be true or false, got {value!r}")
+            return value
+
         try:
             return cls(
                 architecture=arch,
@@ -124,11 +147,11 @@ class ModelConfig:
                 num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
                 head_dim=raw.get("head_dim"),
                 max_position_embeddings=raw.get("max_position_embeddings", 2048),
-                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=False if qwen2 else bool(raw.get("attention_bias", False)),
-                mlp_bias=False if qwen2 else bool(raw.get("mlp_bias", False)),
+                rope_theta=number("rope_theta", number("rope_theta", 10000.0), rope),
+                rms_norm_eps=number("rms_norm_eps", 1e-6),
+                tie_word_embeddings=flag("tie_word_embeddings"),
+                attention_bias=False if qwen2 else flag("attention_bias"),
+                mlp_bias=False if qwen2 else flag("mlp_bias"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=raw.get("eos_token_id"),
                 pad_token_id=raw.get("pad_token_id"),

@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 from tailtamer.atomic import atomic_write, atomic_write_json
 from tailtamer.errors import CheckpointError
 from tailtamer.model.config import ModelConfig
+from tailtamer.model.dirs import check_model_dir
+from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.model.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -49,8 +51,7 @@ def read_json(path: Path, what: str) -> dict:
 
 def load_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: model directory not found")
+    check_model_dir(model_dir)
     path = model_dir / "config.json"
     return ModelConfig.from_hf(read_json(path, "config.json"), source=str(path))
 
@@ -88,6 +89,30 @@ def check_state_dict(expected: dict[str, torch.Tensor], got: dict[str, torch.Ten
         raise CheckpointError(f"{source}: " + " | ".join(problems))
 
 
+def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Weights with NaN or inf would sample garbage (or crash inside multinomial) later on."""
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"{source}: non-finite values (NaN or inf) in {len(bad)} tensor(s): "
+                              f"{', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else ""))
+
+
+def check_tokenizer_fits(tokenizer, cfg: ModelConfig, model_dir: str | Path) -> None:
+    """Every id the tokenizer can produce must have an embedding row."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{Path(model_dir) / 'tokenizer.json'}: {tokenizer.vocab_size} token ids but the model's "
+                              f"vocab_size is {cfg.vocab_size} (config.json): ids from {cfg.vocab_size} on have "
+                              f"no embedding")
+
+
+def load_pretrained(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
+    """(model, tokenizer) of a model directory, checked to fit each other."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, dtype, device)
+    check_tokenizer_fits(tokenizer, model.config, model_dir)
+    return model, tokenizer
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
@@ -99,6 +124,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
         expected.pop("lm_head.weight", None)
         raw.pop("lm_head.weight", None)
     check_state_dict(expected, raw, f"{model_dir / 'model.safetensors'}")
+    check_finite(raw, f"{model_dir / 'model.safetensors'}")
     model = model.to_empty(device=device)
     model.load_state_dict(raw, strict=False, assign=False)
     if cfg.tie_word_embeddings:

@@ -17,6 +17,7 @@ from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
 
 from tailtamer.atomic import atomic_write, atomic_write_json
 from tailtamer.errors import CheckpointError, DataError
+from tailtamer.model.dirs import check_model_dir
 
 CHAR_SPECIALS = ("<pad>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>")
 CHAR_ALPHABET = ("\n",) + tuple(chr(i) for i in range(32, 127))
@@ -121,6 +122,7 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     model_dir = Path(model_dir)
+    check_model_dir(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: tokenizer.json not found")

@@ -17,8 +17,12 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
