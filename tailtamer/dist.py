@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from tailtamer.errors import TailtamerError
-from tailtamer.rl.batching import balanced_shares, needed_width
+from tailtamer.stopping import Interrupted, StopRequest
+from tailtamer.rl.batching import Samples, balanced_shares, needed_width
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
@@ -46,6 +47,7 @@ class Workers:
 
     def __init__(self, rank: int = 0, world: int = 1, store: dist.Store | None = None):
         self.rank, self.world, self.store = rank, world, store
+        self._calls: dict[str, int] = {}
 
     @classmethod
     def from_env(cls, timeout_s: float) -> "Workers":
@@ -97,6 +99,10 @@ class Workers:
             dist.all_reduce(x)
         return x
 
+    def any(self, flag: bool) -> bool:
+        """True on every worker if `flag` is true on any."""
+        return bool(self.sum(torch.tensor(float(flag))).item() > 0)
+
     def gather(self, obj) -> list:
         """[obj of worker 0, obj of worker 1, ...] on every worker."""
         if self.world == 1:
@@ -105,25 +111,28 @@ class Workers:
         dist.all_gather_object(out, obj)
         return out
 
-    def rebalance(self, ids: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, pad_id: int):
+    def rebalance(self, samples: Samples, pad_id: int) -> Samples:
         """Re-deal the step's samples for the update so every worker gets about as many tokens
-        (`balanced_shares` over every worker's samples): each worker rolled out its own
-        prompts, and on long-tailed lengths one of them would otherwise hold the longest
-        responses and keep the rest waiting at every gradient all-reduce (verl's
-        balance_batch). Rows travel trimmed to what they need; returns this worker's
-        (ids, mask, advantages)."""
+        of the policy loss (`balanced_shares` over every worker's samples): each worker rolled
+        out its own prompts, and on long-tailed lengths one of them would otherwise hold the
+        longest responses and keep the rest waiting at every gradient all-reduce (verl's
+        balance_batch). Rows travel trimmed to what they need."""
         if self.world == 1:
-            return ids, mask, advantages
-        needed = needed_width(mask).tolist()
-        mine = [(ids[i, :n], mask[i, : n - 1], advantages[i]) for i, n in enumerate(needed)]
+            return samples
+        s = samples
+        needed = needed_width(s.mask).tolist()
+        mine = [(s.ids[i, :n], s.mask[i, : n - 1], s.keep[i], s.advantages[i], s.index[i])
+                for i, n in enumerate(needed)]
         rows = [row for part in self.gather(mine) for row in part]
-        share = balanced_shares([len(r[0]) for r in rows], self.world)[self.rank]
-        width = max(len(rows[i][0]) for i in share)
-        out_ids = torch.full((len(share), width), pad_id, dtype=ids.dtype)
-        out_mask = torch.zeros(len(share), width - 1, dtype=torch.bool)
+        costs = [len(r[0]) if r[2] else 0 for r in rows]
+        share = balanced_shares(costs, self.world)[self.rank]
+        width = max([len(rows[i][0]) for i in share] + [2])
+        ids = torch.full((len(share), width), pad_id, dtype=s.ids.dtype)
+        mask = torch.zeros(len(share), width - 1, dtype=torch.bool)
         for j, i in enumerate(share):
-            out_ids[j, : len(rows[i][0])], out_mask[j, : len(rows[i][1])] = rows[i][0], rows[i][1]
-        return out_ids, out_mask, torch.stack([rows[i][2] for i in share])
+            ids[j, : len(rows[i][0])], mask[j, : len(rows[i][1])] = rows[i][0], rows[i][1]
+        column = lambda k, dtype: torch.tensor([rows[i][k].item() for i in share], dtype=dtype)  # noqa: E731
+        return Samples(ids, mask, column(2, torch.bool), column(3, s.advantages.dtype), column(4, torch.long))
 
     def share(self, make: Callable[[], object]):
         """Worker 0 computes `make()` (may take long: the base model's SFT), the others wait for
@@ -195,11 +204,31 @@ class Workers:
         return self.store is None or self.store.check([f"rollout/{step}/end"])
 
     def wait_rollout(self, step: int) -> float:
-        """Block until every shard of `step` is done; the wall-clock time the last one ended."""
+        """Block until every shard of `step` is done; the wall-clock time the last one ended.
+        No timeout: the long tail may take hours, and only a worker's death (which stops the
+        run) ends the wait otherwise."""
         if self.store is None:
             return time.time()
-        self.store.wait([f"rollout/{step}/end"])
-        return float(self.store.get(f"rollout/{step}/end"))
+        key = f"rollout/{step}/end"
+        self._poll(lambda: self.store.check([key]))
+        return float(self.store.get(key))
+
+    def wait_for_all(self, tag: str) -> None:
+        """A barrier through the store, without the collective timeout: for work of unequal
+        length (evaluation shards), so the collective after it returns at once."""
+        if self.store is None:
+            return
+        self._calls[tag] = n = self._calls.get(tag, 0) + 1
+        key = f"arrived/{tag}/{n}"
+        self.store.add(key, 1)
+        self._poll(lambda: self.store.add(key, 0) >= self.world)
+
+    @staticmethod
+    def _poll(done: Callable[[], bool]) -> None:
+        pause = 0.0005
+        while not done():
+            time.sleep(pause)
+            pause = min(0.002, pause * 2)
 
 
 def resolve_workers(requested: int, prompts_per_step: int) -> int:
@@ -234,10 +263,15 @@ def _spawned(rank: int, world: int, port: int, entry: Callable, args: tuple, res
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         value = entry(*args)
+    except Interrupted as e:  # stopped by Ctrl-C between steps: a clean end, not a failure
+        results.put(("interrupted", rank, str(e)))
+        value = None
     except TailtamerError as e:  # a clear message for the launcher to show, not a traceback
         results.put(("error", rank, str(e)))
         raise
-    if rank == 0:
+    except KeyboardInterrupt:  # a second Ctrl-C: the launcher stops everyone and says so
+        os._exit(130)
+    if rank == 0 and value is not None:
         results.put(("ok", rank, value))  # written to the pipe before put returns
     # Skip interpreter teardown: destroying the c10d store's threads at exit can abort a
     # finished worker (std::terminate), which the launcher would report as a crash.
@@ -258,7 +292,7 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
     procs = mp.start_processes(_spawned, args=(world, _free_port(), entry, args, results), nprocs=world,
                                join=False, start_method="spawn")
     resume = f"the last checkpoint in {run_dir}/checkpoints stays valid (tailtamer train --resume {run_dir})"
-    value, reported = None, {}
+    value, reported, interrupted = None, {}, {}
 
     def drain():
         nonlocal value
@@ -266,12 +300,21 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
             kind, rank, payload = results.get()
             if kind == "ok":
                 value = (payload,)
+            elif kind == "interrupted":
+                interrupted[rank] = payload
             else:
                 reported[rank] = payload
 
     try:
-        while not procs.join(timeout=0.5):
-            drain()
+        # The workers see Ctrl-C too and stop after their step; a second one stops them here.
+        with StopRequest():
+            while not procs.join(timeout=0.5):
+                drain()
+    except KeyboardInterrupt:
+        for process in procs.processes:
+            if process.is_alive():
+                process.terminate()
+        raise Interrupted(f"stopped at once by a second Ctrl-C; {resume}") from None
     except mp.ProcessExitedException as e:
         raise _died(e.error_index, e.exit_code, resume) from None
     except mp.ProcessRaisedException as e:
@@ -285,6 +328,8 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
         message = reported.get(e.error_index) or e.msg.strip().splitlines()[-1]
         raise WorkerError(f"worker {e.error_index}: {message}") from None
     drain()
+    if interrupted:
+        raise Interrupted(interrupted.get(0) or next(iter(interrupted.values())))
     if value is None:
         raise WorkerError("worker 0 ended without a result")
     return value[0]

@@ -98,18 +98,19 @@ def test_idle_worker_spot_trains_is_preempted_and_publishes(toy, drafter_dir, tm
 
 
 def test_two_workers_roll_out_and_update_like_one(toy, tmp_path):
-    base = toy + ["run.steps=1", "rl.minibatches=1", "rl.micro_batch_size=5"]
+    """With several minibatches too: membership is fixed by the samples' global indices."""
+    base = toy + ["run.steps=2", "rl.minibatches=4", "rl.micro_batch_size=5"]
     one = train(load_train_config(None, base + ["run.name=one"]), log=quiet, console=quiet)
     two = spawn(2, run_worker, (load_train_config(None, base + ["run.name=two", "run.workers=2"]), None, quiet),
                 str(tmp_path / "runs" / "two"))
     assert one["workers"] == 1 and two["workers"] == 2
-    a, b = _rows(tmp_path / "runs" / "one")[0], _rows(tmp_path / "runs" / "two")[0]
-    # The same samples (each prompt keeps its sampling stream on whichever worker has it) ...
-    assert a["lengths"] == b["lengths"] and a["reward_mean"] == b["reward_mean"]
-    # ... and the same update: gradients summed over workers with globally normalised token
-    # weights equal the single worker's (up to float summation order).
-    for key in ("loss", "grad_norm", "clip_frac"):
-        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+    for a, b in zip(_rows(tmp_path / "runs" / "one"), _rows(tmp_path / "runs" / "two")):
+        # The same samples (each prompt keeps its sampling stream on whichever worker has it) ...
+        assert a["lengths"] == b["lengths"] and a["reward_mean"] == b["reward_mean"]
+        # ... and the same update: gradients summed over workers with globally normalised token
+        # weights equal the single worker's (up to float summation order).
+        for key in ("loss", "grad_norm", "clip_frac"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
 
 
 def test_a_dying_worker_stops_the_run_and_the_checkpoint_resumes(toy, tmp_path):
@@ -127,6 +128,29 @@ def test_a_dying_worker_stops_the_run_and_the_checkpoint_resumes(toy, tmp_path):
     spawn(2, run_worker, (whole, None, quiet), str(tmp_path / "runs" / "whole"))
     assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "whole"))
     assert TIME_FIELDS <= set(_rows(run)[0])
+
+
+def long_tail_worker(cfg, resume, seconds):
+    """run_worker, except that worker 1's rollouts take `seconds` longer."""
+    from tailtamer.rollout.engine import Engine
+
+    if os.environ["RANK"] == "1":
+        original = Engine.generate
+
+        def slow_generate(self, *args, **kwargs):
+            time.sleep(seconds)
+            return original(self, *args, **kwargs)
+
+        Engine.generate = slow_generate
+    return run_worker(cfg, resume, quiet)
+
+
+def test_waiting_for_the_long_tail_has_no_timeout(toy, tmp_path):
+    """A rollout may run for hours; the wait for the last shard is not a collective with
+    run.dist_timeout_s (here 2 s against a 4 s tail)."""
+    cfg = load_train_config(None, toy + ["run.steps=2", "run.workers=2", "run.name=tail", "run.dist_timeout_s=2"])
+    summary = spawn(2, long_tail_worker, (cfg, None, 4.0), str(tmp_path / "runs" / "tail"))
+    assert summary["steps"] == 2 and all(r["idle_worker_s"] > 3 for r in _rows(tmp_path / "runs" / "tail"))
 
 
 def kill_worker_1():
@@ -184,6 +208,7 @@ def test_spawned_workers_get_the_built_in_base_model_resolved_by_the_launcher(tm
     (base / "sft.json").write_text("{}")
     monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
     seen = {}
     monkeypatch.setattr(trainer, "spawn", lambda world, entry, args, run_dir: seen.update(world=world, cfg=args[0]))
     trainer.launch(load_train_config(None, ["run.workers=2", "spec.mode=off"]))

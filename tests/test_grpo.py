@@ -97,6 +97,9 @@ def test_token_log_probs_and_entropy():
     logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
     assert token_log_probs(logits, torch.tensor([[1]])).item() == pytest.approx(math.log(0.25))
     assert token_entropy(logits).item() == pytest.approx(-(0.5 * math.log(0.5) + 0.5 * math.log(0.25)))
+    # At temperature 0.5 the rollout samples from p ∝ p_1^2 = (4, 1, 1) / 6: its entropy, not p_1's.
+    sharp = torch.tensor([4 / 6, 1 / 6, 1 / 6])
+    assert token_entropy(logits, 0.5).item() == pytest.approx(-(sharp * sharp.log()).sum().item())
 
 
 def test_overlong_penalty():

@@ -136,13 +136,15 @@ def test_micro_batching_does_not_change_the_update(toy, tmp_path):
 def test_micro_batches_respect_the_token_budget():
     import torch
 
-    from tailtamer.rl.batching import needed_width, update_plan
+    from tailtamer.rl.batching import Samples, needed_width, update_plan
     from tailtamer.rl.grpo import token_mean
 
     mask = torch.zeros(10, 99, dtype=torch.bool)
     for i, n in enumerate([5, 90, 7, 6, 95, 8, 4, 5, 60, 9]):
         mask[i, 2: 2 + n] = True
-    plan = update_plan(mask, 2, 4, 200, 99, token_mean, torch.Generator().manual_seed(0))
+    samples = Samples(torch.zeros(10, 100, dtype=torch.long), mask, torch.ones(10, dtype=torch.bool),
+                      torch.zeros(10), torch.arange(10))
+    plan = update_plan(samples, 10, 2, 4, 200, 99, token_mean, torch.Generator().manual_seed(0))
     assert len(plan) == 2
     rows = [int(r) for mb in plan for m in mb for r in m.rows]
     assert sorted(rows) == list(range(10))
@@ -151,6 +153,19 @@ def test_micro_batches_respect_the_token_budget():
         assert micro.width == int(needed_width(mask)[micro.rows].max())
     for minibatch in plan:  # token-mean weights of each minibatch sum to one
         assert torch.allclose(sum(m.weights.sum() for m in minibatch), torch.tensor(1.0))
+
+
+def test_minibatches_do_not_depend_on_how_samples_are_split_over_workers():
+    """Minibatch membership is a function of the sample's global index: two workers holding
+    any split of the samples form the same minibatches as one worker holding them all."""
+    import torch
+
+    from tailtamer.rl.batching import minibatch_of
+
+    whole = minibatch_of(torch.arange(64), 64, 4, torch.Generator().manual_seed(3))
+    for part in (torch.tensor([5, 0, 63, 17]), torch.arange(32, 64)):
+        assert torch.equal(minibatch_of(part, 64, 4, torch.Generator().manual_seed(3)), whole[part])
+    assert sorted(torch.bincount(whole).tolist()) == [16, 16, 16, 16]
 
 
 def test_tensorboard_logger_without_the_package_is_a_startup_error(toy, monkeypatch):
@@ -223,3 +238,26 @@ def test_drafter_window_never_leaves_the_drafter_as_it_was(toy, model_dir, tmp_p
     train(cfg, log=lambda _: None, console=lambda _: None)
     rows = _rows(tmp_path / "runs" / "never")
     assert [r["drafter_steps"] for r in rows] == [0, 0] and rows[0]["drafter_sha"] == rows[1]["drafter_sha"]
+
+
+def test_the_drafter_learns_from_every_response_whatever_the_policy_loss_keeps(toy, model_dir, tmp_path):
+    """Overlong masking drops the truncated (longest) responses from the policy loss and dynamic
+    sampling drops agreeing groups; the DataBuffer still gets every response. The strategy's
+    depth 4 exceeds these 3-token responses, which the accept-length estimate used to crash on."""
+    from tailtamer.model.drafter import init_drafter, save_drafter
+    from tailtamer.model.io import load_model
+    from tailtamer.rl.trainer import prepare, rl_step, setup
+
+    drafter_dir = tmp_path / "drafter"
+    save_drafter(init_drafter(load_model(model_dir), seed=3), drafter_dir)
+    zero = tmp_path / "zero.py"
+    zero.write_text("def zero(response, answer):\n    return 0.0\n")
+    for extra in (["rl.overlong=mask"], ["rl.dynamic_sampling=true", f"rl.reward={zero}:zero"]):
+        cfg = load_train_config(None, toy + extra + ["spec.mode=on", f"spec.drafter={drafter_dir}",
+                                                     "spec.strategy=4_2_8", "drafter.window_s=0"])
+        s = setup(prepare(cfg), log=lambda _: None)
+        row = rl_step(s)
+        assert row["kept_groups_frac"] < 0.5, extra
+        assert len([e for e in s.spot.buffer.entries if e.step == 0]) == 4 * 8, extra
+        assert row["accept_len_est"] >= 1.0
+        s.scorer.close()

@@ -9,6 +9,26 @@ import torch
 
 
 @dataclass
+class Samples:
+    """One step's samples on this worker, a row each.
+
+    mask[b, t] marks position t whose next token is a response token (every one: what the
+    drafter learns from); `keep` says whether the sample counts in the policy loss (dynamic
+    sampling and overlong masking drop some); `index` is the sample's global index in the
+    step (prompt-major), which fixes its minibatch whatever worker holds it."""
+
+    ids: torch.Tensor  # (B, T) long
+    mask: torch.Tensor  # (B, T - 1) bool
+    keep: torch.Tensor  # (B,) bool
+    advantages: torch.Tensor  # (B,)
+    index: torch.Tensor  # (B,) long
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.mask & self.keep[:, None]
+
+
+@dataclass
 class MicroBatch:
     key: int
     rows: torch.Tensor  # sample indices
@@ -24,37 +44,53 @@ def needed_width(response_mask: torch.Tensor) -> torch.Tensor:
     return needed
 
 
-def update_plan(response_mask: torch.Tensor, minibatches: int, micro_batch_size: int, micro_batch_tokens: int,
+def token_budget_chunks(widths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Indices of `widths` in ascending width, cut into chunks of at most `max_rows` rows and
+    `max_rows x width` <= `max_tokens` padded tokens (a row wider than the budget goes alone):
+    padding every sample to the longest would waste most of the compute on long-tailed
+    lengths (verl's dynamic batch size)."""
+    chunks, part = [], []
+    for i in sorted(range(len(widths)), key=lambda i: (widths[i], i)):
+        if part and (len(part) == max_rows or (len(part) + 1) * widths[i] > max_tokens):
+            chunks.append(part)
+            part = []
+        part.append(i)
+    return chunks + [part] if part else chunks
+
+
+def minibatch_of(index: torch.Tensor, n_total: int, minibatches: int, generator: torch.Generator) -> torch.Tensor:
+    """Minibatch of each global sample index: a random permutation of all `n_total` samples of
+    the step cut into `minibatches` parts (sizes differ by at most one). It depends on the
+    step's samples only, so N workers form the same minibatches as one."""
+    order = torch.randperm(n_total, generator=generator)
+    part = torch.empty(n_total, dtype=torch.long)
+    for j, chunk in enumerate(order.tensor_split(minibatches)):
+        part[chunk] = j
+    return part[index]
+
+
+def update_plan(samples: Samples, n_total: int, minibatches: int, micro_batch_size: int, micro_batch_tokens: int,
                 max_len: int, aggregation, generator: torch.Generator, total=lambda x: x) -> list[list[MicroBatch]]:
-    """Random minibatches (one optimizer step each), each cut into micro-batches of samples of
-    similar length, trimmed to their longest, of at most `micro_batch_size` samples and
-    `micro_batch_tokens` padded tokens: padding every sample to the step's longest response
-    would waste most of the compute on long-tailed lengths (verl's dynamic batch size).
+    """Random minibatches (one optimizer step each), each cut into `token_budget_chunks`
+    micro-batches trimmed to their longest sample.
 
     Always exactly `minibatches` minibatches (some may be empty), so data-parallel workers
     agree on the number of optimizer steps; `total` sums the aggregation's counts over them."""
-    needed = needed_width(response_mask)
+    loss_mask = samples.loss_mask
+    needed = needed_width(loss_mask)
+    part = minibatch_of(samples.index, n_total, minibatches, generator)
     plan, key = [], 0
-    for rows in torch.randperm(len(response_mask), generator=generator).tensor_split(minibatches):
-        weights = aggregation(response_mask[rows], max_len, total)
-        micro, part = [], []
-        for i in torch.argsort(needed[rows], stable=True).tolist():
-            width = int(needed[rows[i]])  # the widest so far: rows are in ascending length
-            if part and (len(part) == micro_batch_size or (len(part) + 1) * width > micro_batch_tokens):
-                micro.append(_micro(key, rows, part, needed, weights))
-                key, part = key + 1, []
-            part.append(i)
-        if part:
-            micro.append(_micro(key, rows, part, needed, weights))
+    for j in range(minibatches):
+        rows = (part == j).nonzero().flatten()
+        weights = aggregation(loss_mask[rows], max_len, total)
+        micro = []
+        for chunk in token_budget_chunks(needed[rows].tolist(), micro_batch_size, micro_batch_tokens):
+            index = torch.tensor(chunk, dtype=torch.long)
+            width = int(needed[rows[index]].max())
+            micro.append(MicroBatch(key, rows[index], width, weights[index, : width - 1]))
             key += 1
         plan.append(micro)
     return plan
-
-
-def _micro(key: int, rows: torch.Tensor, part: list[int], needed: torch.Tensor, weights: torch.Tensor) -> MicroBatch:
-    index = torch.tensor(part)
-    width = int(needed[rows[index]].max())
-    return MicroBatch(key, rows[index], width, weights[index, : width - 1])
 
 
 def balanced_shares(costs: list[float], workers: int) -> list[list[int]]:

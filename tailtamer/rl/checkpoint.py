@@ -65,7 +65,12 @@ def load_checkpoint(path: Path, optimizer_factory, dtype="float32"):
         blob = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         optimizer.load_state_dict(blob["optimizer"])
         scheduler.load_state_dict(blob["scheduler"])
+    except Exception as e:  # torch.load raises many types for a torn or foreign file
+        raise CheckpointError(f"{path / 'optimizer.pt'}: cannot restore the optimizer "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    try:
         state = json.loads((path / "state.json").read_text())
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: cannot restore the optimizer or trainer state ({e})") from None
+        int(state["step"])
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path / 'state.json'}: cannot read the trainer state ({type(e).__name__}: {e})") from None
     return model, optimizer, scheduler, state

@@ -118,9 +118,10 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return torch.gather(logp, -1, tokens[..., None]).squeeze(-1)
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """H = −Σ p log p per position (B, T)."""
-    logp = torch.log_softmax(logits.float(), -1)
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """H = −Σ p log p per position (B, T), with p = softmax(logits / T): the entropy of the
+    distribution the rollout samples from."""
+    logp = torch.log_softmax(logits.float() / temperature, -1)
     return -(logp.exp() * logp).sum(-1)
 
 

@@ -16,7 +16,6 @@ uninterrupted one, and N workers sample what one worker would.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -32,25 +31,47 @@ from tailtamer.atomic import atomic_write_json, atomic_write_text
 from tailtamer.config import TrainConfig, to_dict
 from tailtamer.dist import Workers, resolve_workers, spawn
 from tailtamer.drafter.buffer import DataBuffer
-from tailtamer.drafter.spot import SpotTrainer, estimate_accept_length
+from tailtamer.drafter.estimate import estimate_accept_length
+from tailtamer.drafter.spot import SpotTrainer
 from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.metrics import RunLog, check_loggers, run_summary
 from tailtamer.model.drafter import Drafter, load_drafter, save_drafter, weights_checksum
-from tailtamer.model.io import load_model
+from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
-from tailtamer.rl.batching import response_batch, update_plan
+from tailtamer.rl.batching import Samples, needed_width, response_batch, token_budget_chunks, update_plan
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tailtamer.rl.data import load_task_rows
-from tailtamer.rl.rewards import RewardScorer, resolve_reward
+from tailtamer.rl.rewards import RewardScorer, merge_failures
+from tailtamer.rl.run_dir import DEFAULT_NAME, claim_run_dir, keep_metrics_before, record_resume, resume_changes
 from tailtamer.rollout.engine import Engine, EngineConfig, mean_accept_len
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.speculative import EagleProposer, Strategy, make_speculator
+from tailtamer.stopping import Interrupted, StopRequest
 
 
 class TrainingError(TailtamerError):
     """The run cannot go on (repeated non-finite losses, workers running different weights)."""
+
+
+class StepAborted(TrainingError):
+    """A step cannot go on; raised on every worker before it changed any weights, so the state
+    between the two steps can still be checkpointed."""
+
+
+def score_rewards(s: RunState, items: list[tuple[str, str]]) -> torch.Tensor:
+    """This worker's rewards for (response, answer) pairs, 0 where the reward failed. If every
+    sample of the step failed on every worker, StepAborted: all-zero rewards teach nothing
+    and a run that trains on them hides the bug."""
+    scored = s.scorer.score_batch(items)
+    parts = s.workers.gather((sum(not ok for _, ok in scored), len(scored), s.scorer.failures))
+    failed, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    if failed == total:
+        kinds = merge_failures([p[2] for p in parts])
+        raise StepAborted(f"every reward of step {s.step + 1} failed ({failed} of {total} samples; rl.reward="
+                          f"{s.cfg.rl.reward}): " + "; ".join(e["first"] for e in kinds.values()))
+    return torch.tensor([value for value, _ in scored])
 
 
 @dataclass
@@ -70,6 +91,7 @@ class RunState:
     spot: SpotTrainer | None = None  # the adaptive drafter's trainer, when one will train it
     frozen: Drafter | None = None  # the warm-up drafter, kept to compare accept lengths
     step: int = 0
+    saved_step: int | None = None  # the step of the newest checkpoint
     bad_steps: int = 0
     skipped_prompts: int = 0
     history: list[dict] = field(default_factory=list)
@@ -104,15 +126,17 @@ def rl_step(s: RunState) -> dict:
     w.set_state("IDLE")
     wall_all_done = w.wait_rollout(s.step)
 
-    # 3. Rewards (a failing reward scores 0 and is counted), with the optional overlong penalty.
-    correct = torch.tensor([float(s.scorer.score(c.text, batch[c.prompt_index]["answer"])) for c in completions])
+    # 3. Rewards (a failing reward scores 0 and is counted; when every one fails the run
+    #    stops here, before the update), with the optional overlong penalty.
+    correct = score_rewards(s, [(c.text, batch[c.prompt_index]["answer"]) for c in completions])
     rewards = correct.view(len(batch), roll.group_size).clone()
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float)
     if rl.overlong == "penalty":
         rewards += grpo.overlong_penalty(lengths, roll.max_new_tokens, rl.overlong_buffer).view_as(rewards)
 
     # 4. Advantages per group (a group never spans workers); dynamic sampling keeps only
-    #    groups whose rewards differ.
+    #    groups whose rewards differ, overlong masking only untruncated samples (for the
+    #    policy loss: the drafter learns from every response).
     advantages = grpo.ADVANTAGES[rl.advantage](rewards).flatten()
     keep = torch.ones(len(completions), dtype=torch.bool)
     if rl.dynamic_sampling:
@@ -125,10 +149,12 @@ def rl_step(s: RunState) -> dict:
     t_train = time.perf_counter()
     pad_id = s.tokenizer.pad_token_id or 0
     ids, response_mask = response_batch(batch, completions, pad_id)
-    response_mask &= keep[:, None]
-    ids, response_mask, advantages = w.rebalance(ids, response_mask, advantages, pad_id)
-    plan = update_plan(response_mask, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens,
-                       roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg],
+    first = lo * roll.group_size
+    samples = w.rebalance(Samples(ids, response_mask, keep, advantages,
+                                  torch.arange(first, first + len(completions))), pad_id)
+    ids, advantages, loss_mask = samples.ids, samples.advantages, samples.loss_mask
+    plan = update_plan(samples, len(prompts) * roll.group_size, rl.minibatches, rl.micro_batch_size,
+                       rl.micro_batch_tokens, roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg],
                        torch.Generator().manual_seed(cfg.run.seed + s.step), w.sum)
     old_logps, ref_logps = {}, {}
     with torch.no_grad():
@@ -136,17 +162,25 @@ def rl_step(s: RunState) -> dict:
             mb_ids = ids[micro.rows, : micro.width]
             logits, hidden = s.model(mb_ids)
             if s.spot is not None:
-                s.spot.buffer.add_batch(s.step, mb_ids, hidden, response_mask[micro.rows, : micro.width - 1])
+                # samples the loss keeps whole; the others (trimmed here) are added below
+                s.spot.buffer.add_batch(s.step, mb_ids, hidden, loss_mask[micro.rows, : micro.width - 1])
             old_logps[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], roll.temperature)
             if s.ref_model is not None:
                 ref_logits = s.ref_model(mb_ids)[0][:, :-1]
                 ref_logps[micro.key] = grpo.token_log_probs(ref_logits, mb_ids[:, 1:], roll.temperature)
+        if s.spot is not None:  # samples the policy loss dropped: the drafter still learns from them
+            dropped = (~samples.keep & samples.mask.any(1)).nonzero().flatten()
+            widths = needed_width(samples.mask[dropped]).tolist()
+            for chunk in token_budget_chunks(widths, rl.micro_batch_size, rl.micro_batch_tokens):
+                rows, width = dropped[chunk], max(widths[i] for i in chunk)
+                s.spot.buffer.add_batch(s.step, ids[rows, :width], s.model(ids[rows, :width])[1],
+                                        samples.mask[rows, : width - 1])
     accept_est = accept_est_frozen = (1.0, 0)
     fresh = [e for e in s.spot.buffer.entries if e.step == s.step] if s.frozen is not None else []
     if fresh:  # both drafters on responses neither has trained on
         depth = Strategy.parse(cfg.spec.strategy).depth
-        accept_est = estimate_accept_length(s.spot.drafter, fresh, depth, roll.temperature)
-        accept_est_frozen = estimate_accept_length(s.frozen, fresh, depth, roll.temperature)
+        accept_est = estimate_accept_length(s.spot.drafter, fresh, depth, params)
+        accept_est_frozen = estimate_accept_length(s.frozen, fresh, depth, params)
 
     # 6. Policy update: ppo_epochs passes, one optimizer step per minibatch; gradients are
     #    accumulated over its micro-batches and summed over workers (the token weights are
@@ -170,7 +204,7 @@ def rl_step(s: RunState) -> dict:
                     kl = (grpo.KL_ESTIMATORS[rl.kl_estimator](logp, ref_logps[micro.key]) * micro.weights).sum()
                     loss = loss + rl.kl_coef * kl
                 if rl.entropy_coef:
-                    entropy = (grpo.token_entropy(logits[:, :-1]) * micro.weights).sum()
+                    entropy = (grpo.token_entropy(logits[:, :-1], roll.temperature) * micro.weights).sum()
                     loss = loss - rl.entropy_coef * entropy
                 loss.backward()
                 totals += torch.stack([loss.detach(), kl.detach(), entropy.detach(),
@@ -222,7 +256,7 @@ def rl_step(s: RunState) -> dict:
         "accept_lens": rollout.accept_lens, "drafter": drafter, "idle_s": wall_all_done - wall_rollout,
         "preempt_s": max(0.0, wall_spot - wall_all_done) if drafter["steps"] else None,
         "accept_est": accept_est, "accept_est_frozen": accept_est_frozen,
-        "timeline": [(name, a, b) for name, a, b in timeline if b > a], "scorer": s.scorer.counts(),
+        "timeline": [(name, a, b) for name, a, b in timeline if b > a], "reward_failures": s.scorer.failures,
     }
     parts = w.gather(mine)
     every = lambda key: [x for p in parts for x in p[key]]  # noqa: E731
@@ -262,12 +296,18 @@ def rl_step(s: RunState) -> dict:
         "lr": s.scheduler.get_last_lr()[0],
         "kept_groups_frac": sum(p["kept"] for p in parts) / len(resp),
         "skipped_updates": s.bad_steps,
-        **{k: sum(p["scorer"][k] for p in parts) for k in parts[0]["scorer"]},
+        **_failure_counts(merge_failures([p["reward_failures"] for p in parts])),
         "weights_sha": weights[0],
         "lengths": [int(x) for x in resp],
         "timeline": [[r, name, round(a - start, 4), round(b - start, 4)]
                      for r, p in enumerate(parts) for name, a, b in p["timeline"]],
     }
+
+
+def _failure_counts(failures: dict) -> dict:
+    timeouts = failures.get("timeout", {}).get("count", 0)
+    return {"reward_errors": sum(e["count"] for e in failures.values()) - timeouts, "reward_timeouts": timeouts,
+            "reward_failures": failures}
 
 
 def _weighted(parts: list[dict], key: str) -> float:
@@ -296,7 +336,9 @@ def evaluate_greedy(s: RunState) -> float:
     if hi > lo:
         params = SamplingParams(temperature=0, max_new_tokens=s.cfg.rollout.max_new_tokens)
         completions, _ = s.engine.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
-        correct = sum(s.scorer.score(c.text, rows[lo + c.prompt_index]["answer"]) for c in completions)
+        scored = s.scorer.score_batch([(c.text, rows[lo + c.prompt_index]["answer"]) for c in completions])
+        correct = sum(value for value, _ in scored)
+    s.workers.wait_for_all("eval")  # shards take unequal time: no collective timeout while waiting
     return s.workers.sum(torch.tensor(float(correct))).item() / len(rows)
 
 
@@ -356,11 +398,15 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     run_dir = _run_dir(cfg, resume)
     model_dir = Path(cfg.run.model)
     tokenizer = load_tokenizer(model_dir)
-    scorer = RewardScorer(resolve_reward(cfg.rl.reward), cfg.rl.reward_timeout_s)
+    check_tokenizer_fits(tokenizer, load_config(model_dir), model_dir)
     train_rows, eval_rows, skipped = _datasets(cfg, tokenizer)
-    if len(train_rows) < workers.world:
-        raise ConfigError(f"run.workers: {workers.world} workers but only {len(train_rows)} training prompts "
-                          f"in {cfg.data.train}; every worker needs a prompt to roll out")
+    prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
+    if prompts < workers.world:
+        raise ConfigError(f"run.workers: {workers.world} workers but only {prompts} prompts per step "
+                          f"(rollout.prompts_per_step={cfg.rollout.prompts_per_step}, {len(train_rows)} training "
+                          f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: start at most "
+                          f"{prompts} workers or raise rollout.prompts_per_step")
+    scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s)
     make_opt = _optimizer_factory(cfg)
     state = {"step": 0}
     if resume is not None:
@@ -384,85 +430,127 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
         if cfg.drafter.compare_frozen:
             frozen = load_drafter(cfg.spec.drafter, model)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
-                    workers, ref_model, spot, frozen, step=state["step"], skipped_prompts=skipped)
+                    workers, ref_model, spot, frozen, step=state["step"], skipped_prompts=skipped,
+                    saved_step=state["step"] if resume is not None else None)
 
 
 def _run_dir(cfg: TrainConfig, resume: Path | None) -> Path:
-    return resume or Path(cfg.run.out_dir) / cfg.run.name
-
-
-def _write_run_files(s: RunState) -> None:
-    s.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(s.run_dir / "config.yaml", yaml.safe_dump(to_dict(s.cfg), sort_keys=False))
-
-
-def _keep_metrics_before(path: Path, step: int) -> list[dict]:
-    """On resume, drop rows the interrupted run logged after its last checkpoint."""
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["step"] < step]
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-    return rows
+    return resume or Path(cfg.run.out_dir) / (cfg.run.name or DEFAULT_NAME)
 
 
 def _checkpoint(s: RunState) -> None:
-    """Worker 0 writes it: every worker holds the same weights (checked each step)."""
+    """Worker 0 writes it: every worker holds the same weights (checked each step). A write
+    that fails (full disk, read-only directory) stops the run; the last good one stays."""
     if not s.workers.is_main:
         return
     extra = None if s.spot is None else (lambda tmp: save_drafter(s.spot.drafter, tmp / "drafter"))
-    save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, s.optimizer, s.scheduler,
-                    {"weights_sha": weights_checksum(s.model)}, extra=extra)
+    try:
+        save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, s.optimizer, s.scheduler,
+                        {"weights_sha": weights_checksum(s.model)}, extra=extra)
+    except OSError as e:
+        raise TrainingError(f"cannot write the checkpoint of step {s.step} into {s.run_dir / 'checkpoints'} "
+                            f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
+    s.saved_step = s.step
+
+
+def _resume_hint(s: RunState) -> str:
+    if s.saved_step is None:
+        return "no checkpoint was written yet"
+    return (f"the last checkpoint is step {s.saved_step} "
+            f"(resume with `tailtamer train --resume {s.run_dir}`)")
+
+
+def _save_before_stopping(s: RunState) -> str:
+    """Checkpoint the state between two steps if it is newer than the last checkpoint."""
+    if s.step > 0 and s.saved_step != s.step:
+        _checkpoint(s)
+    return _resume_hint(s)
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print,
-          workers: Workers | None = None) -> dict | None:
+          workers: Workers | None = None, claimed: bool = False) -> dict | None:
     """Run (or resume) `cfg` as this worker (one worker by default); `console=None` shows a
-    progress bar with the step lines above it. Worker 0 writes every file and returns the
-    summary; the others return None."""
+    progress bar with the step lines above it. Worker 0 claims the run directory (unless the
+    launcher did: `claimed`), writes every file and returns the summary; the others return None."""
     w = workers or Workers()
     if not w.is_main:
         log = console = _silent
-    cfg = w.share(lambda: prepare(cfg, log))
+    lock = None
+    if w.is_main and not claimed:
+        cfg, lock = claim_run_dir(cfg, resume)
+    try:
+        cfg = w.share(lambda: prepare(cfg, log))
+        return _train(cfg, resume, log, console, w)
+    finally:
+        if lock is not None:
+            lock.release(remove_if_unused=True)
+
+
+def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> dict | None:
+    changes = resume_changes(resume, to_dict(cfg)) if resume is not None and w.is_main else {}
     s = setup(cfg, resume, log, w)
     if w.is_main:
         if resume is None:
-            _write_run_files(s)
-        s.history = _keep_metrics_before(s.run_dir / "metrics.jsonl", s.step)
+            atomic_write_text(s.run_dir / "config.yaml", yaml.safe_dump(to_dict(s.cfg), sort_keys=False))
+        else:
+            record_resume(s.run_dir, s.step, to_dict(cfg), changes, log)
+        s.history = keep_metrics_before(s.run_dir / "metrics.jsonl", s.step, log)
     if s.skipped_prompts:
         log(f"skipped {s.skipped_prompts} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-    if s.step == 0 and cfg.run.eval_every:
-        s.eval_at_start = evaluate_greedy(s)
-    w.barrier()  # start the first step together, so its timeline compares workers
     t0 = time.perf_counter()
-    out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console) if w.is_main else None
-    try:
-        while s.step < cfg.run.steps:
-            row = rl_step(s)
-            s.step += 1
-            if cfg.run.eval_every and (s.step % cfg.run.eval_every == 0 or s.step == cfg.run.steps):
-                row["eval_accuracy"] = evaluate_greedy(s)
-            s.history.append(row)
+    out, reported = None, set()
+    with StopRequest(log) as stop:
+        try:
+            if s.step == 0 and cfg.run.eval_every:
+                s.eval_at_start = evaluate_greedy(s)
+            w.barrier()  # start the first step together, so its timeline compares workers
+            out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console) if w.is_main else None
+            while s.step < cfg.run.steps:
+                try:
+                    row = rl_step(s)
+                except StepAborted as e:  # raised before the step changed any weights
+                    raise TrainingError(f"{e}; {_save_before_stopping(s)}") from None
+                s.step += 1
+                if cfg.run.eval_every and (s.step % cfg.run.eval_every == 0 or s.step == cfg.run.steps):
+                    row["eval_accuracy"] = evaluate_greedy(s)
+                s.history.append(row)
+                if out is not None:
+                    try:
+                        out.log(row)
+                    except OSError as e:
+                        raise TrainingError(f"cannot write the metrics of step {s.step} into {s.run_dir} "
+                                            f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
+                    for kind, entry in row["reward_failures"].items():
+                        if kind not in reported:
+                            reported.add(kind)
+                            log(f"reward failure ({kind}) in step {s.step}: {entry['first']}; such samples score 0 "
+                                f"and are counted (reward_errors / reward_timeouts); the run goes on")
+                    if s.spot is not None:  # the newest published drafter, ready to serve, written in the background
+                        s.spot.checkpoint_async(s.run_dir / "drafter")
+                if s.bad_steps >= cfg.run.max_bad_steps > 0:
+                    _checkpoint(s)
+                    raise TrainingError(f"{s.bad_steps} non-finite losses in a row at step {s.step}; "
+                                        f"checkpoint saved in {s.run_dir / 'checkpoints'}")
+                if (cfg.run.save_every and s.step % cfg.run.save_every == 0) or s.step == cfg.run.steps:
+                    _checkpoint(s)
+                if w.any(stop.requested) and s.step < cfg.run.steps:
+                    raise Interrupted(f"stopped by Ctrl-C after step {s.step} of {cfg.run.steps}; "
+                                      f"{_save_before_stopping(s)}")
+        except KeyboardInterrupt:
+            raise Interrupted(f"stopped at once by a second Ctrl-C in step {s.step + 1}; {_resume_hint(s)}") from None
+        finally:
             if out is not None:
-                out.log(row)
-                if s.spot is not None:  # the newest published drafter, ready to serve, written in the background
-                    s.spot.checkpoint_async(s.run_dir / "drafter")
-            if s.bad_steps >= cfg.run.max_bad_steps > 0:
-                _checkpoint(s)
-                raise TrainingError(f"{s.bad_steps} non-finite losses in a row at step {s.step}; "
-                                    f"checkpoint saved in {s.run_dir / 'checkpoints'}")
-            if (cfg.run.save_every and s.step % cfg.run.save_every == 0) or s.step == cfg.run.steps:
-                _checkpoint(s)
-    finally:
-        if out is not None:
-            out.close()
-        if s.spot is not None:
-            s.spot.wait()
+                out.close()
+            if s.spot is not None:
+                s.spot.wait()
+            s.scorer.close()
     if not w.is_main:
         return None
-    counts = {k: s.history[-1][k] if s.history else 0 for k in s.scorer.counts()}  # summed over workers
+    last = s.history[-1] if s.history else {}
     summary = run_summary(s.history, s.eval_at_start, time.perf_counter() - t0, run_dir=str(s.run_dir),
-                          workers=w.world, skipped_prompts=s.skipped_prompts, **counts)
+                          workers=w.world, skipped_prompts=s.skipped_prompts,
+                          **{k: last.get(k, 0) for k in s.scorer.counts()},  # summed over workers
+                          reward_failures=last.get("reward_failures", {}))
     atomic_write_json(s.run_dir / "summary.json", summary)
     if s.history:
         plot_rl_curves(s.history, s.run_dir / "curves.png", s.eval_at_start)
@@ -476,10 +564,10 @@ def _silent(*_args) -> None:
     pass
 
 
-def run_worker(cfg: TrainConfig, resume: Path | None, console) -> dict | None:
+def run_worker(cfg: TrainConfig, resume: Path | None, console, claimed: bool = False) -> dict | None:
     """One worker of a multi-process run (spawned locally or started by torchrun)."""
     workers = Workers.from_env(cfg.run.dist_timeout_s)
-    summary = train(cfg, resume, console=console, workers=workers)
+    summary = train(cfg, resume, console=console, workers=workers, claimed=claimed)
     workers.close()  # not after an error: the launcher stops every worker then
     return summary
 
@@ -492,7 +580,12 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
     world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step)
     if world == 1:
         return train(cfg, resume, console=console)
-    # Here, not in worker 0: a spawned worker gets only its share of the cores, and a first
-    # run's base-model SFT and drafter warm-up would take ~1.6x as long on one core.
-    cfg = prepare(cfg)
-    return spawn(world, run_worker, (cfg, resume, console), str(_run_dir(cfg, resume)))
+    # The launcher claims the run directory (and holds its lock while the workers run) and
+    # resolves the built-ins here, not in worker 0: a spawned worker gets only its share of
+    # the cores, and a first run's base-model SFT and drafter warm-up would take ~1.6x as long.
+    cfg, lock = claim_run_dir(cfg, resume)
+    try:
+        cfg = prepare(cfg)
+        return spawn(world, run_worker, (cfg, resume, console, True), str(_run_dir(cfg, resume)))
+    finally:
+        lock.release(remove_if_unused=True)

@@ -1,0 +1,159 @@
+"""Run directories: one run owns one directory, and a resumed run says what it changed.
+
+A fresh run claims `run.out_dir/run.name` and holds an exclusive lock on its `.lock` file for
+as long as it runs (the operating system drops the lock when the process dies, SIGKILL
+included); `--resume` takes the same lock. So neither a second run with the same name nor a
+second resume can write over a run's metrics and checkpoints. Without `run.name`, a run takes
+the first free name of `default`, `default-2`, ...
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import yaml
+
+from tailtamer.atomic import atomic_write_text
+from tailtamer.errors import ConfigError
+
+DEFAULT_NAME = "default"
+
+
+class RunDirLock:
+    """The claim of one run directory (held until `release` or the process's end)."""
+
+    def __init__(self, path: Path, created: bool):
+        self.path, self.created = path, created
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self._fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            self._fd = None
+            raise ConfigError(f"{self.path} is in use by another tailtamer run (pid {holder}); wait for it to end "
+                              f"or give another run.name") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self, remove_if_unused: bool = False) -> None:
+        """Drop the lock; with `remove_if_unused`, remove a directory this claim created and
+        nothing else wrote into (a run that failed at start-up leaves no trace)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if remove_if_unused and self.created and {p.name for p in self.path.iterdir()} <= {".lock"}:
+            (self.path / ".lock").unlink(missing_ok=True)
+            self.path.rmdir()
+
+
+def _holds_a_run(path: Path) -> bool:
+    return path.is_dir() and any(p.name != ".lock" for p in path.iterdir())
+
+
+def claim_run_dir(cfg, resume: Path | None):
+    """(cfg with run.name resolved, RunDirLock) for a fresh run or a resume; a ConfigError
+    naming `--resume` and `run.name` when the directory belongs to another run."""
+    if resume is not None:
+        if not resume.is_dir():
+            raise ConfigError(f"--resume {resume}: no such run directory")
+        lock = RunDirLock(resume, created=False)
+        lock.acquire()
+        return cfg, lock
+    out = Path(cfg.run.out_dir)
+    name = cfg.run.name
+    candidates = [name] if name else [DEFAULT_NAME] + [f"{DEFAULT_NAME}-{i}" for i in range(2, 10_000)]
+    for candidate in candidates:
+        path = out / candidate
+        if _holds_a_run(path):
+            if name:
+                raise ConfigError(f"{path} already holds a run; continue it with `tailtamer train --resume {path}`, "
+                                  f"or give another run.name")
+            continue
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"run.out_dir: cannot create {path} ({e.strerror or e})") from None
+        lock = RunDirLock(path, created=not any(path.iterdir()))
+        lock.acquire()
+        if _holds_a_run(path):  # another run claimed it between our check and the lock
+            lock.release()
+            if name:
+                raise ConfigError(f"{path} already holds a run; give another run.name")
+            continue
+        return replace(cfg, run=replace(cfg.run, name=candidate)), lock
+    raise ConfigError(f"run.out_dir {out}: no free run name left")
+
+
+# Settings a resumed run cannot change: where it lives and what it started from.
+FIXED_ON_RESUME = ("run.name", "run.out_dir", "run.model")
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: dict, now: dict) -> dict:
+    """{dotted field: [saved value, new value]} for every field that differs."""
+    a, b = flatten(saved), flatten(now)
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def resume_changes(run_dir: Path, cfg_dict: dict) -> dict:
+    """What a resume changes against the run's `config.yaml`; a ConfigError if it would change
+    one of FIXED_ON_RESUME."""
+    path = run_dir / "config.yaml"
+    saved = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    changes = config_changes(saved or {}, cfg_dict)
+    fixed = [k for k in changes if k in FIXED_ON_RESUME]
+    if fixed:
+        raise ConfigError(f"--resume {run_dir}: {', '.join(fixed)} cannot change when a run is resumed "
+                          f"(it is {changes[fixed[0]][0]!r}); start a new run instead")
+    return changes
+
+
+def record_resume(run_dir: Path, step: int, cfg_dict: dict, changes: dict, log) -> None:
+    """Log what a resume changed, append it to `resumes.jsonl` and make `config.yaml` the
+    config the run goes on with."""
+    if not changes:
+        return
+    log(f"resuming at step {step} with changed settings: "
+        + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()))
+    with open(run_dir / "resumes.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, "changes": changes}) + "\n")
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
+
+
+def keep_metrics_before(path: Path, step: int, log) -> list[dict]:
+    """On resume, drop rows the interrupted run logged after its last checkpoint, and lines a
+    kill left torn (a row is written in one piece, so only the last line can be)."""
+    if not path.is_file():
+        return []
+    rows, torn = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            torn += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+            rows.append(row)
+    if torn:
+        log(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing leaves one)")
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows

@@ -1,0 +1,203 @@
+"""A run never destroys another run's files, stops cleanly when asked, says what it saved, and
+survives the files a crash leaves behind: run-directory claims and locks, Ctrl-C, resume with
+changed settings, torn metrics, corrupt checkpoints, failing disks and failing rewards."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from tailtamer.config import load_train_config
+from tailtamer.errors import CheckpointError, ConfigError
+from tailtamer.rl.trainer import TrainingError, launch, train
+from test_trainer import _comparable, _rows
+
+
+def quiet(*_args) -> None:
+    pass
+
+
+def _train(toy, *extra, resume=None, log=quiet):
+    if resume is not None:
+        return train(load_train_config(resume / "config.yaml", list(extra)), resume=resume, log=log)
+    return train(load_train_config(None, toy + list(extra)), log=log)
+
+
+def test_a_run_name_belongs_to_one_run(toy, tmp_path):
+    _train(toy, "run.steps=2", "run.name=mine")
+    before = (tmp_path / "runs" / "mine" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"runs/mine already holds a run.*--resume .*runs/mine.*run.name"):
+        _train(toy, "run.steps=3", "run.name=mine")
+    assert (tmp_path / "runs" / "mine" / "metrics.jsonl").read_text() == before  # untouched
+
+
+def test_without_a_name_a_run_takes_the_next_free_one(toy, tmp_path):
+    first = _train(toy, "run.steps=1")
+    second = _train(toy, "run.steps=1")
+    assert first["run_dir"].endswith("/default") and second["run_dir"].endswith("/default-2")
+    assert yaml.safe_load((tmp_path / "runs" / "default-2" / "config.yaml").read_text())["run"]["name"] == "default-2"
+
+
+def test_a_locked_run_directory_is_refused(toy, tmp_path):
+    """A run that is still going holds its directory's lock: a resume of it is refused."""
+    _train(toy, "run.steps=2", "run.name=busy", "run.save_every=1")
+    run = tmp_path / "runs" / "busy"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(run / '.lock')!r}, os.O_RDWR)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nos.pwrite(fd, b'4242\\n', 0)\nprint('locked', flush=True)\ntime.sleep(60)")],
+        stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        with pytest.raises(ConfigError, match=r"in use by another tailtamer run \(pid 4242\)"):
+            _train(toy, "run.steps=3", resume=run)
+    finally:
+        holder.kill()
+        holder.wait()
+    _train(toy, "run.steps=3", resume=run)  # the lock died with its holder
+    assert len(_rows(run)) == 3
+
+
+def test_resume_records_changed_settings_and_refuses_fixed_ones(toy, tmp_path, model_dir):
+    _train(toy, "run.steps=2", "run.name=r", "run.save_every=2")
+    run = tmp_path / "runs" / "r"
+    lines = []
+    _train(toy, "run.steps=3", "rl.lr=5e-4", resume=run, log=lines.append)
+    assert any("rl.lr 0.0001 -> 0.0005" in line and "run.steps 2 -> 3" in line for line in lines)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["rl"]["lr"] == 5e-4 and saved["run"]["steps"] == 3  # what the run went on with
+    record = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
+    assert record == [{"step": 2, "changes": {"rl.lr": [1e-4, 5e-4], "run.steps": [2, 3]}}]
+    with pytest.raises(ConfigError, match="run.model cannot change when a run is resumed"):
+        _train(toy, "run.steps=4", f"run.model={tmp_path}", resume=run)
+
+
+def test_resume_after_a_torn_metrics_line(toy, tmp_path):
+    _train(toy, "run.steps=4", "run.name=whole", "run.save_every=2", "rl.lr=1e-3")
+    _train(toy, "run.steps=2", "run.name=torn", "run.save_every=2", "rl.lr=1e-3")
+    run = tmp_path / "runs" / "torn"
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward_me')  # a kill in the middle of a write
+    lines = []
+    _train(toy, "run.steps=4", resume=run, log=lines.append)
+    assert any("dropped 1 unreadable line" in line for line in lines)
+    assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "whole"))
+
+
+@pytest.mark.parametrize("part", ["model.safetensors", "optimizer.pt", "state.json", "config.json"])
+def test_a_corrupt_checkpoint_file_is_named_on_resume(toy, tmp_path, part):
+    _train(toy, "run.steps=2", "run.name=c", "run.save_every=1")
+    run = tmp_path / "runs" / "c"
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    (latest / part).write_bytes(b"\x00garbage{")
+    with pytest.raises(CheckpointError, match=f"{latest.name}.*(cannot|malformed|{part})"):
+        _train(toy, "run.steps=3", resume=run)
+
+
+def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_last_good_one(toy, tmp_path, monkeypatch):
+    import errno
+
+    import tailtamer.rl.checkpoint as checkpoint
+
+    real, calls = checkpoint.save_model, []
+
+    def full_disk(model, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(model, path)
+
+    monkeypatch.setattr(checkpoint, "save_model", full_disk)
+    with pytest.raises(TrainingError, match=r"cannot write the checkpoint of step 2.*No space left.*last checkpoint "
+                                            r"is step 1 \(resume with `tailtamer train --resume"):
+        _train(toy, "run.steps=3", "run.name=full", "run.save_every=1")
+    run = tmp_path / "runs" / "full"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000001"
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == []  # no partial one
+    monkeypatch.setattr(checkpoint, "save_model", real)
+    _train(toy, "run.steps=3", resume=run)
+    assert [r["step"] for r in _rows(run)] == [0, 1, 2]
+
+
+def test_a_read_only_output_directory_is_a_startup_error(toy, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="run.out_dir: cannot create"):
+        _train(toy, f"run.out_dir={blocker}/runs")
+
+
+REWARDS = '''
+import os
+def boom(response, answer):
+    raise RuntimeError("bad reward")
+def half(response, answer):
+    if response and ord(response[0]) % 2:
+        raise ValueError("odd first character")
+    if response.startswith("d"):
+        os._exit(1)
+    return 1.0
+'''
+
+
+def test_a_run_whose_rewards_all_fail_stops_with_the_message(toy, tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARDS)
+    with pytest.raises(TrainingError, match=r"every reward of step 1 failed \(32 of 32 samples.*RuntimeError: bad reward"):
+        _train(toy, f"rl.reward={path}:boom", "run.name=allfail")
+
+
+def test_reward_failures_are_shown_once_per_kind_and_summarised(toy, tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARDS)
+    lines = []
+    summary = _train(toy, f"rl.reward={path}:half", "run.name=some", "run.steps=3", log=lines.append)
+    shown = [line for line in lines if line.startswith("reward failure")]
+    assert len(shown) == len(summary["reward_failures"]) >= 1
+    assert any("ValueError: odd first character" in line for line in shown)
+    failures = summary["reward_failures"]
+    assert failures["ValueError"]["count"] == summary["reward_errors"] - failures.get("process died", {}).get("count", 0)
+    assert json.loads((tmp_path / "runs" / "some" / "summary.json").read_text())["reward_failures"] == failures
+
+
+def _cli_train(args, cwd):
+    return subprocess.Popen([sys.executable, "-m", "tailtamer", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, cwd=cwd, text=True)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) ends the step, saves a
+    checkpoint, says how to resume, exits 130 without a traceback; the resume then repeats an
+    uninterrupted run."""
+    common = toy + ["run.save_every=0", "rl.lr=1e-3", f"run.workers={workers}"]
+    args = common + ["run.steps=40", "run.name=stopped"]
+    run = tmp_path / "runs" / "stopped"
+    proc = _cli_train(args, tmp_path)
+    deadline = time.time() + 120
+    while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    done = len(_rows(run))
+    assert f"stopped by Ctrl-C after step {done} of 40" in err and f"tailtamer train --resume {run}" in err
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{done:06d}"
+    launch(load_train_config(run / "config.yaml", ["run.steps=6"]), resume=run, console=quiet)
+    launch(load_train_config(None, common + ["run.steps=6", "run.name=straight"]), console=quiet)
+    assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "straight"))
+
+
+def test_more_workers_than_prompts_is_a_startup_error(toy):
+    from tailtamer.dist import Workers
+    from tailtamer.rl.trainer import setup
+
+    cfg = load_train_config(None, toy + ["run.name=many"])
+    with pytest.raises(ConfigError, match=r"run.workers: 5 workers but only 4 prompts per step"):
+        setup(cfg, log=quiet, workers=Workers(rank=0, world=5))
