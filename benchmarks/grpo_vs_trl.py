@@ -1,17 +1,21 @@
-"""tailtamer GRPO (plain decoding) beside TRL's GRPOTrainer, in one run.
+"""tailtamer GRPO (plain decoding) beside TRL's GRPOTrainer, interleaved in one run.
 
-Same base model (the built-in tiny model from `tailtamer sft`), same prompts (the built-in
-arithmetic task), same group size, response length limit, temperature, learning rate, clip
-bounds, loss (token-mean = TRL's "dapo"), one optimizer step per rollout and no KL. Prints per-
-step time and reward of both and the ratio of their median step times.
+Both arms get the same things: the base model (the built-in tiny model from `tailtamer sft`)
+in float32 with no autocast (TRL's GRPOConfig defaults to bf16 autocast, which this CPU
+emulates slowly) and no activation checkpointing (TRL's default is on); the same prompts at
+every step (tailtamer's draw, fed to TRL unshuffled); the same group size, response length
+limit, temperature, learning rate (constant, no warm-up), clip bounds, loss (token-mean = TRL's
+"dapo"), one optimizer step per rollout and no KL. Repetitions alternate the two trainers;
+step times are medians over every step but each run's first (one-off allocations).
 
     pip install trl            # only this benchmark needs it
-    python benchmarks/grpo_vs_trl.py --steps 8 --out runs/bench-trl.json
+    python benchmarks/grpo_vs_trl.py --steps 12 --repeats 2 --out runs/bench-trl.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -30,7 +34,7 @@ def run_tailtamer(model_dir: Path, problems: list[dict], args, out_dir: Path) ->
         f"run.steps={args.steps}", "run.eval_every=0", "run.save_every=0", f"run.seed={args.seed}",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0",
-        f"rl.lr={args.lr}", "rl.warmup=1", "rl.minibatches=1", "rl.clip_low=0.2", "rl.clip_high=0.28",
+        f"rl.lr={args.lr}", "rl.warmup=0", "rl.minibatches=1", "rl.clip_low=0.2", "rl.clip_high=0.28",
         "rl.loss_agg=token-mean", "rl.advantage=grpo", "spec.mode=off"])
     train(cfg, log=lambda _: None, console=lambda _: None)
     rows = [json.loads(x) for x in (out_dir / "tailtamer" / "metrics.jsonl").read_text().splitlines()]
@@ -38,7 +42,7 @@ def run_tailtamer(model_dir: Path, problems: list[dict], args, out_dir: Path) ->
             for r in rows]
 
 
-def run_trl(model_dir: Path, problems: list[dict], args, out_dir: Path) -> list[dict]:
+def run_trl(model_dir: Path, step_batches: list[list[dict]], args, out_dir: Path) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     try:
@@ -49,7 +53,10 @@ def run_trl(model_dir: Path, problems: list[dict], args, out_dir: Path) -> list[
 
     from tailtamer.tasks.arithmetic import ANSWER_RE
 
-    def correct(completions, answer, **_):
+    seen_prompts = []
+
+    def correct(completions, answer, prompts, **_):
+        seen_prompts.append(sorted(set(prompts)))
         out = []
         for text, truth in zip(completions, answer):
             m = ANSWER_RE.search(text)
@@ -74,30 +81,43 @@ def run_trl(model_dir: Path, problems: list[dict], args, out_dir: Path) -> list[
     torch.manual_seed(args.seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in problems])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # tailtamer's prompts of step s are rows s*P .. (s+1)*P - 1, served in order.
+    dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for batch in step_batches for p in batch])
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    no_checkpointing = {k: False for k in ("gradient_checkpointing", "activation_checkpointing") if k in names}
     config = GRPOConfig(
-        output_dir=str(out_dir / "trl"), max_steps=args.steps, learning_rate=args.lr, warmup_steps=1,
-        lr_scheduler_type="constant_with_warmup", per_device_train_batch_size=args.prompts * args.group,
+        output_dir=str(out_dir / "trl"), max_steps=args.steps, learning_rate=args.lr, warmup_steps=0,
+        lr_scheduler_type="constant", per_device_train_batch_size=args.prompts * args.group,
         num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=1.0,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", num_iterations=1,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=args.seed,
-        adam_beta2=0.99, max_grad_norm=1.0, dataloader_num_workers=0)
+        adam_beta2=0.99, max_grad_norm=1.0, dataloader_num_workers=0, bf16=False, fp16=False,
+        shuffle_dataset=False, **no_checkpointing)
     times = StepTimes()
     trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[times])
     trainer.train()
+    expected = [sorted({p["prompt"] for p in batch}) for batch in step_batches]
+    for row, got, want in zip(times.rows, seen_prompts, expected):
+        row["same_prompts_as_tailtamer"] = got == want
     return times.rows
 
 
-def median(rows, key):
-    values = [r[key] for r in rows if r.get(key) is not None]
+def median(runs: list[list[dict]], key: str):
+    values = [r[key] for rows in runs for r in rows[1:] if r.get(key) is not None]
     return statistics.median(values) if values else None
+
+
+def mean_over(runs: list[list[dict]], key: str, lo: int, hi: int):
+    values = [r[key] for rows in runs for r in rows[lo:hi] if r.get(key) is not None]
+    return round(statistics.mean(values), 4) if values else None
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each trainer, alternating")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=320)
@@ -106,25 +126,37 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the JSON report here")
     args = parser.parse_args(argv)
 
+    from tailtamer.rl.trainer import step_prompts
     from tailtamer.sft import SFTConfig, ensure_base_model
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
     model_dir = ensure_base_model(SFTConfig())
     problems = ArithmeticTask().dataset(args.steps * args.prompts * 4, seed=args.seed + 17)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        trl_rows = run_trl(model_dir, problems, args, tmp)
-        ours = run_tailtamer(model_dir, problems, args, tmp)
-    # The first step of each pays one-off costs (allocations, lazy imports): medians skip it.
-    report = {
-        "setup": vars(args) | {"model": str(model_dir)},
-        "tailtamer": {"steps": ours, "step_s_median": median(ours[1:], "step_s"),
-                      "reward_mean": statistics.mean(r["reward"] for r in ours)},
-        "trl": {"steps": trl_rows, "step_s_median": median(trl_rows[1:], "step_s"),
-                "reward_mean": statistics.mean(r["reward"] for r in trl_rows if "reward" in r)},
-    }
-    report["trl_step_s_over_tailtamer"] = report["trl"]["step_s_median"] / report["tailtamer"]["step_s_median"]
-    print(json.dumps(report, indent=2))
+    step_batches = [step_prompts(problems, args.seed, s, args.prompts) for s in range(args.steps)]
+    runs: dict[str, list[list[dict]]] = {"tailtamer": [], "trl": []}
+    for r in range(args.repeats):
+        order = ("trl", "tailtamer") if r % 2 == 0 else ("tailtamer", "trl")
+        for name in order:
+            with tempfile.TemporaryDirectory() as tmp:
+                if name == "trl":
+                    runs[name].append(run_trl(model_dir, step_batches, args, Path(tmp)))
+                else:
+                    runs[name].append(run_tailtamer(model_dir, problems, args, Path(tmp)))
+    quarter = max(1, args.steps // 3)
+    report = {"setup": vars(args) | {"model": str(model_dir)}}
+    for name, rows in runs.items():
+        report[name] = {
+            "step_s_median": round(median(rows, "step_s"), 3),
+            "reward_first_steps": mean_over(rows, "reward", 0, quarter),
+            "reward_last_steps": mean_over(rows, "reward", args.steps - quarter, args.steps),
+            "response_len_first_steps": mean_over(rows, "response_len_mean", 0, quarter),
+            "response_len_last_steps": mean_over(rows, "response_len_mean", args.steps - quarter, args.steps),
+            "steps": rows,
+        }
+    report["trl_step_s_over_tailtamer"] = round(report["trl"]["step_s_median"] / report["tailtamer"]["step_s_median"], 3)
+    report["trl_saw_the_same_prompts"] = all(r["same_prompts_as_tailtamer"] for rows in runs["trl"] for r in rows)
+    print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "steps"} if isinstance(v, dict) else v)
+                      for k, v in report.items()}, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))

@@ -134,7 +134,8 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.ngram import NgramProposer
-    from tailtamer.rollout.speculative import EagleProposer, Strategy
+    from tailtamer.rollout.eagle import EagleProposer
+    from tailtamer.rollout.speculator import Speculator
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
     path = _default_model_dir(model_dir)
@@ -142,8 +143,8 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
     drafter = load_drafter(ensure_builtin_drafter(path), model)
     problems = ArithmeticTask(min_ops=4).dataset(max(batches + (8,)), seed=424242)
     params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1)
-    arms = [(f"eagle {s}", lambda s=s: (EagleProposer(drafter), Strategy.parse(s))) for s in strategies]
-    arms.append(("ngram 4_1_5", lambda: (NgramProposer(), Strategy.parse("4_1_5"))))
+    arms = [(f"eagle {s}", lambda s=s: Speculator.fixed(EagleProposer(drafter), s)) for s in strategies]
+    arms.append(("ngram 4_1_5", lambda: Speculator.fixed(NgramProposer(), "4_1_5")))
     rows = []
     for batch in batches:
         prompts = [tokenizer.encode(p["prompt"]) for p in problems[: max(8, batch)]]
@@ -151,8 +152,7 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
         plain_engine = Engine(model, tokenizer, config)
         plain_engine.generate(prompts[:1], params)  # warm-up
         for name, make in arms:
-            proposer, strategy = make()
-            engine = Engine(model, tokenizer, config, proposer=proposer, strategy=strategy)
+            engine = Engine(model, tokenizer, config, speculator=make())
             engine.generate(prompts[:1], params)
             t_plain, t_sd = [], []
             for _ in range(repeats):
@@ -177,7 +177,8 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     three emit the same tokens; runs are interleaved and timed in one process."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
-    from tailtamer.rollout.speculative import EagleProposer, SpecConfig
+    from tailtamer.rollout.eagle import EagleProposer
+    from tailtamer.rollout.speculator import SpecConfig, Speculator
     from tailtamer.tasks.arithmetic import ArithmeticTask, reward
 
     path = _default_model_dir(model_dir)
@@ -190,10 +191,10 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     fixed, adaptive = SpecConfig(mode="on", drafter="x"), SpecConfig(mode="adaptive", drafter="x")
     arms = {
         "plain": lambda: Engine(model, tokenizer, config),
-        "sd_fixed_" + fixed.strategy: lambda: Engine(model, tokenizer, config, proposer=EagleProposer(drafter),
-                                                     tuner=fixed.make_tuner()),
-        "adaptive": lambda: Engine(model, tokenizer, config, proposer=EagleProposer(drafter),
-                                   tuner=adaptive.make_tuner(), bs_threshold=adaptive.bs_threshold),
+        "sd_fixed_" + fixed.strategy: lambda: Engine(model, tokenizer, config, speculator=Speculator(
+            EagleProposer(drafter), fixed.make_tuner())),
+        "adaptive": lambda: Engine(model, tokenizer, config, speculator=Speculator(
+            EagleProposer(drafter), adaptive.make_tuner(), adaptive.bs_threshold)),
     }
     Engine(model, tokenizer, config).generate(ids[:2], params)  # warm-up
     seconds: dict[str, list[float]] = {k: [] for k in arms}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tailtamer.errors import TailtamerError
 from tailtamer.stopping import Interrupted
-from tailtamer.rollout.speculative import SpecConfig
+from tailtamer.rollout.speculator import SpecConfig
 
 
 def output_file(path: str, flag: str) -> None:
@@ -68,7 +68,7 @@ def cmd_generate(args) -> None:
     from tailtamer.rl.data import load_prompts
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
-    from tailtamer.rollout.speculative import make_speculator
+    from tailtamer.rollout.speculator import make_speculator
 
     spec = SpecConfig(mode=args.spec, strategy=args.strategy, drafter=args.drafter, bs_threshold=args.bs_threshold,
                       tuner=args.tuner)
@@ -81,7 +81,7 @@ def cmd_generate(args) -> None:
     model, tokenizer = load_pretrained(args.model, args.dtype, device)
     rows, prompts = load_prompts(args.prompts, tokenizer)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
-                    **make_speculator(spec, model))
+                    speculator=make_speculator(spec, model))
     labels = [f"{args.prompts}:{row['_row']}" for row in rows]
     completions, stats = engine.generate(prompts, params, labels)
     lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec", default="off", choices=["off", "on", "adaptive"], help="speculative decoding")
     g.add_argument("--strategy", default="4_2_8", help="DEPTH_TOPK_VERIFY draft tree")
     g.add_argument("--drafter", help="EAGLE drafter directory, or 'ngram'")
-    g.add_argument("--bs-threshold", type=int, default=SpecConfig.bs_threshold,
+    g.add_argument("--bs-threshold", type=int, default=SpecConfig().bs_threshold,
                    help="adaptive: speculate once at most this many requests are running")
     g.add_argument("--tuner", default="beg", choices=["beg", "fixed"], help="adaptive: strategy choice")
 

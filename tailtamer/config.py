@@ -19,7 +19,7 @@ from tailtamer.config_fields import at_least, f, positive
 from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError
 from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
-from tailtamer.rollout.speculative import SpecConfig
+from tailtamer.rollout.speculator import SpecConfig
 
 
 class _YAML12Loader(yaml.SafeLoader):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tailtamer.atomic import atomic_write_json, atomic_write_text
 from tailtamer.model.io import load_pretrained
-from tailtamer.rollout.engine import Engine, EngineConfig, RolloutStats
+from tailtamer.rollout.engine import Engine, EngineConfig
+from tailtamer.rollout.stats import RolloutStats
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.sft import SFTConfig, ensure_base_model
 from tailtamer.tasks.arithmetic import ArithmeticTask, length_stats, reward

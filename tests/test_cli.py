@@ -138,7 +138,7 @@ def prompts_as_texts(tmp_path):
 @pytest.mark.parametrize("extra,message", [
     (["--spec", "on"], "needs a drafter"),
     (["--spec", "on", "--drafter", "ngram", "--strategy", "8x4"], "not DEPTH_TOPK_VERIFY"),
-    (["--spec", "adaptive", "--drafter", "ngram", "--bs-threshold", "0"], "bs_threshold must be >= 1"),
+    (["--spec", "adaptive", "--drafter", "ngram", "--bs-threshold", "-1"], "bs_threshold must be >= 0"),
 ])
 def test_bad_speculation_flags(model_dir, tmp_path, capsys, extra, message):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])

@@ -104,13 +104,15 @@ def test_two_workers_roll_out_and_update_like_one(toy, tmp_path):
     two = spawn(2, run_worker, (load_train_config(None, base + ["run.name=two", "run.workers=2"]), None, quiet),
                 str(tmp_path / "runs" / "two"))
     assert one["workers"] == 1 and two["workers"] == 2
-    for a, b in zip(_rows(tmp_path / "runs" / "one"), _rows(tmp_path / "runs" / "two")):
+    for step, (a, b) in enumerate(zip(_rows(tmp_path / "runs" / "one"), _rows(tmp_path / "runs" / "two"))):
         # The same samples (each prompt keeps its sampling stream on whichever worker has it) ...
         assert a["lengths"] == b["lengths"] and a["reward_mean"] == b["reward_mean"]
         # ... and the same update: gradients summed over workers with globally normalised token
-        # weights equal the single worker's (up to float summation order).
+        # weights equal the single worker's, up to float summation order, which the AdamW
+        # steps between minibatches amplify a little (a different minibatch membership
+        # changed the loss by 40%).
         for key in ("loss", "grad_norm", "clip_frac"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-7), (step, key)
 
 
 def test_a_dying_worker_stops_the_run_and_the_checkpoint_resumes(toy, tmp_path):

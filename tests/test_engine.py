@@ -120,7 +120,7 @@ def test_eos_stop_strings_and_length():
 
 
 def test_context_limit_ends_with_length(model_dir):
-    engine = Engine(load_model(model_dir), config=EngineConfig(max_seq_len=20))
+    engine = Engine(load_model(model_dir), config=EngineConfig(max_seq_len=20), eos_ids=())  # no early stop
     completions, _ = engine.generate([[5] * 15], SamplingParams(max_new_tokens=100))
     assert completions[0].finish_reason == "length"
     assert len(completions[0].token_ids) == 5

@@ -10,9 +10,10 @@ from tailtamer.errors import ConfigError
 from tailtamer.model.drafter import init_drafter
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.ngram import NgramProposer
-from tailtamer.rollout.sampling import SamplingParams, sample, target_probs
-from tailtamer.rollout.speculative import (EagleProposer, SpecConfig, Strategy, ancestor_mask, children_of,
-                                           walk_tree)
+from tailtamer.rollout.eagle import EagleProposer
+from tailtamer.rollout.sampling import SamplingParams, target_probs
+from tailtamer.rollout.speculative import Strategy, Tree, accept, ancestor_mask
+from tailtamer.rollout.speculator import SpecConfig, Speculator
 from conftest import random_model, tiny_config
 
 
@@ -42,9 +43,8 @@ def trained_drafter(target):
 
 
 def _generate(model, prompts, params, batch, proposer=None, strategy=None):
-    engine = Engine(model, config=EngineConfig(max_batch_size=batch), proposer=proposer,
-                    strategy=Strategy.parse(strategy) if strategy else None)
-    return engine.generate(prompts, params)
+    speculator = Speculator.fixed(proposer, strategy) if proposer is not None else None
+    return Engine(model, config=EngineConfig(max_batch_size=batch), speculator=speculator).generate(prompts, params)
 
 
 @pytest.mark.parametrize("strategy", ["1_1_2", "4_1_5", "3_2_6", "4_3_10"])
@@ -67,8 +67,8 @@ def test_requests_admitted_mid_speculation_catch_up_without_overflow(target):
     params = SamplingParams(temperature=0, max_new_tokens=200)
     config = EngineConfig(max_batch_size=2, max_seq_len=64)
     plain, _ = Engine(target, config=config, eos_ids=()).generate(prompts, params)
-    spec, _ = Engine(target, config=config, eos_ids=(), proposer=EagleProposer(init_drafter(target, std=0.2)),
-                     strategy=Strategy.parse("3_2_6")).generate(prompts, params)
+    spec, _ = Engine(target, config=config, eos_ids=(), speculator=Speculator.fixed(
+        EagleProposer(init_drafter(target, std=0.2)), "3_2_6")).generate(prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
 
 
@@ -84,7 +84,8 @@ def test_trained_drafter_accepts_more_than_random(target, trained_drafter):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, n=3, max_new_tokens=30, seed=5),
                                     SamplingParams(temperature=0.8, top_p=0.9, top_k=20, n=3, max_new_tokens=30)])
 def test_seeded_sampling_is_identical_in_float64(target, trained_drafter, params):
-    """Each emitted token is one draw from the request's generator, with or without SD."""
+    """The token at response index t is drawn with the request's uniform number t, with or
+    without SD."""
     prompts = TRAIN_PROMPTS[10:14]
     plain, _ = _generate(target, prompts, params, 6)
     spec, stats = _generate(target, prompts, params, 6, EagleProposer(trained_drafter), "4_2_8")
@@ -124,23 +125,19 @@ def _second_token_marginal(model, prompt, params):
     return p1 @ p2
 
 
-def _lossy_walk(probs, children, generator, greedy, emit):
-    """A *biased* verifier: accept a drafted child whenever the target gives it >= 5% mass."""
-    node, path = 0, [0]
-    while True:
-        drafted = [(tok, i) for tok, i in children[node].items() if probs[node][tok] >= 0.05]
-        x = drafted[0][0] if drafted else int(sample(probs[node][None], [generator], greedy)[0])
-        if emit(x):
-            return path
-        if x not in children[node]:
-            return path
-        node = children[node][x]
-        path.append(node)
+def _lossy_accept(tree, draws):
+    """A *biased* verifier: the drafter's top token is emitted unverified, then the target's
+    draw after it."""
+    B = tree.tokens.shape[0]
+    path = torch.zeros(B, tree.depth + 1, dtype=torch.long)
+    path[:, 1] = 1
+    tokens = torch.stack([tree.tokens[:, 1], draws[:, 1]], 1)
+    return path, torch.nn.functional.pad(tokens, (0, tree.depth - 1)), torch.full((B,), 2)
 
 
 def _second_tokens(model, drafter, params, n):
     engine = Engine(model, config=EngineConfig(max_batch_size=256), eos_ids=(),
-                    proposer=EagleProposer(drafter), strategy=Strategy.parse("2_3_5"))
+                    speculator=Speculator.fixed(EagleProposer(drafter), "2_3_5"))
     out, _ = engine.generate([[3, 7, 2]], SamplingParams(**{**params.__dict__, "n": n, "max_new_tokens": 3}))
     return torch.bincount(torch.tensor([c.token_ids[1] for c in out]), minlength=12)
 
@@ -160,7 +157,7 @@ def test_sd_samples_follow_the_target_distribution(params):
 def test_the_same_check_rejects_a_biased_verifier(monkeypatch):
     model, drafter = _small_world()
     params = SamplingParams(seed=21)
-    monkeypatch.setattr(engine_module, "walk_tree", _lossy_walk)
+    monkeypatch.setattr(engine_module, "accept", _lossy_accept)
     n = 3000
     counts = _second_tokens(model, drafter, params, n)
     expected = _second_token_marginal(model, [3, 7, 2], params) * n
@@ -174,23 +171,28 @@ def test_ancestor_mask():
     #   0 -> 1 -> 3
     #   0 -> 2 -> 4 -> 5, and padding node 6 (parent -1)
     parents = torch.tensor([[-1, 0, 0, 1, 2, 4, -1]])
-    mask = ancestor_mask(parents)[0].int().tolist()
+    mask = ancestor_mask(parents, depth=3)[0].int().tolist()
     assert mask[3] == [1, 1, 0, 1, 0, 0, 0]
     assert mask[5] == [1, 0, 1, 0, 1, 1, 0]
     assert mask[6] == [0, 0, 0, 0, 0, 0, 1]
 
 
-def test_walk_descends_while_the_draw_is_a_child():
-    # Tree: root -> 7 (node 1) -> 8 (node 2); root -> 9 (node 3). One-hot target: 7, 8, then 5.
-    probs = torch.zeros(4, 12)
-    probs[0, 7], probs[1, 8], probs[2, 5], probs[3, 1] = 1, 1, 1, 1
-    children = children_of([-1, 0, 1, 0], [0, 7, 8, 9], [True] * 4)
-    emitted = []
-    path = walk_tree(probs, children, torch.Generator(), greedy=False, emit=lambda x: emitted.append(x) or False)
-    assert path == [0, 1, 2] and emitted == [7, 8, 5]
-    emitted.clear()
-    path = walk_tree(probs, children, torch.Generator(), greedy=True, emit=lambda x: emitted.append(x) or len(emitted) == 1)
-    assert path == [0] and emitted == [7]  # finished (e.g. EOS) at the first token
+def test_accept_follows_the_draws_down_the_tree():
+    # Request 0: root -> 7 (node 1) -> 8 (node 2); root -> 9 (node 3); draws 7, 8, 5 along it.
+    # Request 1: the same tree, but the root draws 9: node 3 is taken, whose draw is 4.
+    # Request 2: the root draws 6, no child: only the root. Node 4 of each is padding.
+    tree = Tree(tokens=torch.tensor([[0, 7, 8, 9, 7]] * 3), parents=torch.tensor([[-1, 0, 1, 0, -1]] * 3),
+                depths=torch.tensor([[0, 1, 2, 1, 1]] * 3),
+                valid=torch.tensor([[True, True, True, True, False]] * 3), depth=2)
+    draws = torch.tensor([[7, 8, 5, 1, 2], [9, 8, 5, 4, 2], [6, 8, 5, 4, 2]])
+    path, tokens, length = accept(tree, draws)
+    assert length.tolist() == [3, 2, 1]
+    assert [p[:n] for p, n in zip(path.tolist(), length.tolist())] == [[0, 1, 2], [0, 3], [0]]
+    assert [t[:n] for t, n in zip(tokens.tolist(), length.tolist())] == [[7, 8, 5], [9, 4], [6]]
+    # a padding node is never reached, even when its token is drawn
+    draws = torch.tensor([[7, 0, 0, 0, 0]] * 3)
+    tree.tokens[:, 1] = 3
+    assert accept(tree, draws)[2].tolist() == [1, 1, 1]
 
 
 @pytest.mark.parametrize("text,message", [("4_2", "DEPTH_TOPK_VERIFY"), ("a_b_c", "DEPTH_TOPK_VERIFY"),
@@ -215,9 +217,9 @@ def test_lossless_guard_and_config_errors(kwargs, message):
         SpecConfig(**kwargs)
 
 
-def test_engine_refuses_half_a_speculator(target):
-    with pytest.raises(ConfigError, match="both a proposer and a strategy"):
-        Engine(target, proposer=NgramProposer())
+def test_a_negative_threshold_is_refused():
+    with pytest.raises(ConfigError, match="bs_threshold must be >= 0"):
+        Speculator(NgramProposer(), None, bs_threshold=-1)
 
 
 def test_stats_count_drafts_and_acceptances(target, trained_drafter):

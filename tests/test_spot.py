@@ -186,10 +186,12 @@ def _rollout_and_estimate(model, drafter, prompts, strategy: str, temperature: f
     """The engine's measured accept length with `drafter` on a rollout, and the estimate on
     the same responses (their target hidden states, as the RL step's buffer holds them)."""
     from tailtamer.rollout.engine import Engine, EngineConfig
-    from tailtamer.rollout.speculative import EagleProposer, Strategy
+    from tailtamer.rollout.eagle import EagleProposer
+    from tailtamer.rollout.speculative import Strategy
+    from tailtamer.rollout.speculator import Speculator
 
-    engine = Engine(model, None, EngineConfig(max_batch_size=48), eos_ids=(1,), proposer=EagleProposer(drafter),
-                    strategy=Strategy.parse(strategy))
+    engine = Engine(model, None, EngineConfig(max_batch_size=48), eos_ids=(1,),
+                    speculator=Speculator.fixed(EagleProposer(drafter), strategy))
     params = SamplingParams(temperature=temperature, max_new_tokens=40, n=2, seed=4)
     completions, stats = engine.generate(prompts, params)
     ids, mask = response_batch([{"prompt_ids": p} for p in prompts], completions, pad_id=0)
@@ -208,7 +210,7 @@ def _bigram_target():
     with torch.no_grad():
         for layer in model.layers:
             layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()  # (the layers' biases feed nothing then)
         model.lm_head.weight.normal_(0, 0.6, generator=torch.Generator().manual_seed(5))
     return model
 

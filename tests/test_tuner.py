@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tailtamer.errors import ConfigError
-from tailtamer.rollout.speculative import SpecConfig, Strategy
+from tailtamer.rollout.speculative import Strategy
+from tailtamer.rollout.speculator import SpecConfig, Speculator
 from tailtamer.rollout.tuner import (NO_SD, BEGTuner, FixedTuner, bucket_of, epsilon_greedy, group_by_verify,
                                      median_reward)
 
@@ -92,7 +93,7 @@ def test_exploration_is_reproducible_from_the_seed():
     ({"strategies": ("4_2_8", "bad")}, "not DEPTH_TOPK_VERIFY"),
     ({"epsilon": 2.0}, "epsilon"),
     ({"tuner": "ucb"}, "tuner must be beg or fixed"),
-    ({"bs_threshold": 0}, "bs_threshold"),
+    ({"bs_threshold": -1}, "spec.bs_threshold must be >= 0"),
 ])
 def test_bad_adaptive_configs(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -111,7 +112,7 @@ def test_adaptive_engine_speculates_only_in_the_tail_and_is_lossless():
     from tailtamer.model.drafter import init_drafter
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
-    from tailtamer.rollout.speculative import EagleProposer
+    from tailtamer.rollout.eagle import EagleProposer
 
     model = random_model(tiny_config()).double()
     gen = torch.Generator().manual_seed(0)
@@ -119,8 +120,8 @@ def test_adaptive_engine_speculates_only_in_the_tail_and_is_lossless():
     params = SamplingParams(temperature=1.0, n=2, max_new_tokens=40, seed=8)
     plain, _ = Engine(model, config=EngineConfig(max_batch_size=12)).generate(prompts, params)
     tuner = BEGTuner([S("3_2_6"), S("2_3_6"), S("2_1_3"), S("1_2_3")], [1, 3], epsilon=0.2, window=10)
-    engine = Engine(model, config=EngineConfig(max_batch_size=12), proposer=EagleProposer(init_drafter(model, std=0.2)),
-                    tuner=tuner, bs_threshold=10)
+    engine = Engine(model, config=EngineConfig(max_batch_size=12), speculator=Speculator(
+        EagleProposer(init_drafter(model, std=0.2)), tuner, bs_threshold=10))
     adaptive, stats = engine.generate(prompts, params)
     assert [c.token_ids for c in adaptive] == [c.token_ids for c in plain]
     arms = [(running, arm) for _, running, arm in stats.timeline]
@@ -153,7 +154,7 @@ def test_the_switch_to_sd_is_charged_to_no_arm(monkeypatch):
     from tailtamer.drafter.train import DrafterTrainConfig, train_drafter
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
-    from tailtamer.rollout.speculative import EagleProposer
+    from tailtamer.rollout.eagle import EagleProposer
     from test_spot import _bigram_target
 
     model = _bigram_target()
@@ -174,8 +175,8 @@ def test_the_switch_to_sd_is_charged_to_no_arm(monkeypatch):
     monkeypatch.setattr(model, "decode", costs(model.decode, 0))
     monkeypatch.setattr(drafter, "decode", costs(drafter.decode, 0.05))
     tuner = BEGTuner([S("4_1_5")], [1], epsilon=0.0, window=30)
-    engine = Engine(model, None, EngineConfig(max_batch_size=2), eos_ids=(1,), proposer=EagleProposer(drafter),
-                    tuner=tuner, bs_threshold=1)
+    engine = Engine(model, None, EngineConfig(max_batch_size=2), eos_ids=(1,),
+                    speculator=Speculator(EagleProposer(drafter), tuner, bs_threshold=1))
     catch_up = 0.0
     for i, prompt in enumerate(prompts):  # each rollout: two samples, SD once one of them is done
         _, stats = engine.generate([prompt], SamplingParams(temperature=1.0, n=2, max_new_tokens=60, seed=i))

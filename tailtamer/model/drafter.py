@@ -28,8 +28,9 @@ from torch import nn
 from tailtamer.atomic import atomic_write, atomic_write_json
 from tailtamer.errors import CheckpointError
 from tailtamer.model.config import ModelConfig
-from tailtamer.model.io import check_state_dict, init_weights_, read_json, read_safetensors
-from tailtamer.model.transformer import DecoderLayer, KVCache, Transformer, decode_inputs, inv_freq, rotary_tables
+from tailtamer.model.io import check_finite, check_state_dict, init_weights_, read_json, read_safetensors
+from tailtamer.model.transformer import (DecoderLayer, KVCache, Transformer, decode_inputs, join_fused, rotary,
+                                         split_fused)
 
 EAGLE_ARCHITECTURES = {"Qwen2ForCausalLM": "Qwen2ForCausalLMEagle", "LlamaForCausalLM": "LlamaForCausalLMEagle"}
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
@@ -59,8 +60,7 @@ class Drafter(nn.Module):
 
     def _run(self, ids, hidden, positions, mask=None, cache=None, view=None):
         x = self.fc(torch.cat((self.target.embed_tokens(ids), hidden.to(self.fc.weight.dtype)), dim=-1))
-        cfg = self.config
-        cos, sin = rotary_tables(inv_freq(cfg.rope_theta, cfg.head_size, x.device, x.dtype), positions, x.dtype)
+        cos, sin = rotary(self.config, positions, x.dtype)
         kv = None if cache is None else (cache.k[0], cache.v[0], view)
         x = self.layers[0](x, cos, sin, mask, kv)
         return self.target.lm_head(x), x
@@ -72,8 +72,8 @@ class Drafter(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         return self._run(input_ids, hidden, positions, None if attn_mask is None else attn_mask[:, None])
 
-    def decode(self, input_ids, hidden, cache: KVCache, slots, starts, positions=None, tree_mask=None):
-        positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask)
+    def decode(self, input_ids, hidden, cache: KVCache, slots, starts, positions=None, tree_mask=None, span=None):
+        positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask, span)
         return self._run(input_ids, hidden, positions, mask, cache, view)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
@@ -95,7 +95,8 @@ def init_drafter(target: Transformer, seed: int = 0, std: float = 0.02) -> Draft
 
 def drafter_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
     """A float32 CPU copy of the drafter's own (trainable) tensors: never the shared ones."""
-    tensors = {k: v.detach().to("cpu", torch.float32, copy=True).contiguous() for k, v in drafter.state_dict().items()}
+    tensors = {k: v.detach().to("cpu", torch.float32, copy=True).contiguous()
+               for k, v in split_fused(drafter.state_dict(), drafter.config).items()}
     assert not any(k.startswith(SHARED_PREFIXES) for k in tensors)  # shared by reference only
     return tensors
 
@@ -130,8 +131,9 @@ def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
     # Checkpoints from other tools may carry a copy of the embedding or head: the target's wins.
     tensors = {k: v for k, v in read_safetensors(drafter_dir).items() if not k.startswith(SHARED_PREFIXES)}
     drafter = Drafter(target)
-    check_state_dict(drafter.state_dict(), tensors, str(drafter_dir / "model.safetensors"))
-    drafter.load_state_dict(tensors, strict=False)
+    check_state_dict(split_fused(drafter.state_dict(), drafter.config), tensors, str(drafter_dir / "model.safetensors"))
+    check_finite(tensors, str(drafter_dir / "model.safetensors"))
+    drafter.load_state_dict(join_fused(tensors, drafter.config), strict=False)
     return drafter.to(target.dtype).eval()
 
 

@@ -18,7 +18,7 @@ from tailtamer.errors import CheckpointError
 from tailtamer.model.config import ModelConfig
 from tailtamer.model.dirs import check_model_dir
 from tailtamer.model.tokenizer import load_tokenizer
-from tailtamer.model.transformer import Transformer
+from tailtamer.model.transformer import Transformer, join_fused, split_fused
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -119,14 +119,14 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     raw = {from_hf_key(k): v for k, v in read_safetensors(model_dir).items()}
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = model.state_dict()
+    expected = split_fused(model.state_dict(), cfg)
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         raw.pop("lm_head.weight", None)
     check_state_dict(expected, raw, f"{model_dir / 'model.safetensors'}")
     check_finite(raw, f"{model_dir / 'model.safetensors'}")
     model = model.to_empty(device=device)
-    model.load_state_dict(raw, strict=False, assign=False)
+    model.load_state_dict(join_fused(raw, cfg), strict=False, assign=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(parse_dtype(dtype)).eval()
@@ -138,7 +138,8 @@ def save_model(model: Transformer, model_dir: str | Path) -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     store = torch.float64 if model.dtype == torch.float64 else torch.float32
-    tensors = {to_hf_key(k): v.detach().to("cpu", store).contiguous() for k, v in model.state_dict().items()
+    tensors = {to_hf_key(k): v.detach().to("cpu", store).contiguous()
+               for k, v in split_fused(model.state_dict(), cfg).items()
                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     atomic_write(model_dir / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     hf = cfg.to_hf()

@@ -31,49 +31,48 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in at least float32 (as transformers does) so bfloat16 stays accurate.
-        compute = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(compute)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if x.dtype in (torch.float32, torch.float64):
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 @lru_cache(maxsize=32)
-def inv_freq(rope_theta: float, head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Rotary frequencies, in float64 for float64 models and float32 otherwise (as transformers)."""
+def rotary_table(rope_theta: float, head_dim: int, length: int, device: torch.device, dtype: torch.dtype):
+    """cos and sign-folded sin for positions 0..length-1, each (length, head_dim), computed in
+    float64 and rounded once (transformers computes the angles in float32 for float32
+    models; the difference is below float32 rounding of the result)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
-    return (1.0 / rope_theta ** exponents).to(torch.float64 if dtype == torch.float64 else torch.float32)
-
-
-def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin of shape (B, 1, T, head_dim) for absolute `positions` (B, T) (RoFormer, Su et al. 2021)."""
-    freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    inv_freq = 1.0 / rope_theta ** exponents
+    if dtype != torch.float64:  # the angles as transformers rounds them
+        inv_freq = inv_freq.float()
+    angles = torch.arange(length, device=device, dtype=inv_freq.dtype)[:, None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """RoFormer (Su et al. 2021) rotation in transformers' rotate-half layout:
+    x·cos + rotate_half(x)·sin with rotate_half(x) = (−x2, x1); the sign lives in `sin`."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
+    """q, k and v come from one fused projection (checkpoints keep transformers' three)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hd = cfg.head_size
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, mask=None, kv=None):
         """`mask`: bool (B, 1, T, S) or None for causal; `kv`: (k_cache, v_cache, CacheView) or None."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk_heads = self.n_heads + self.n_kv
+        qkv = self.qkv_proj(x).view(B, T, qk_heads + self.n_kv, self.head_dim).transpose(1, 2)
+        qk = apply_rotary(qkv[:, :qk_heads], cos, sin)  # q and k heads rotate together
+        q, k, v = qk[:, : self.n_heads], qk[:, self.n_heads:], qkv[:, qk_heads:]
         if kv is not None:
             k_cache, v_cache, view = kv
             k, v = view.update(k_cache, k), view.update(v_cache, v)
@@ -84,14 +83,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU; gate and up come from one fused projection."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -105,6 +106,43 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask=None, kv=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoints name projections as transformers does; inside, q/k/v and gate/up are fused (one
+# matmul instead of three and two: on small models each op's overhead rivals its arithmetic).
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _fused_sizes(cfg: ModelConfig, fused: str) -> list[int]:
+    if fused == "self_attn.qkv_proj":
+        return [cfg.num_attention_heads * cfg.head_size] + [cfg.num_key_value_heads * cfg.head_size] * 2
+    return [cfg.intermediate_size] * 2
+
+
+def split_fused(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict with transformers' projection names (fused tensors split)."""
+    out = {}
+    for name, t in state.items():
+        for fused, parts in FUSED.items():
+            if f".{fused}." in name:
+                for part, piece in zip(parts, t.split(_fused_sizes(cfg, fused))):
+                    out[name.replace(fused, part)] = piece
+                break
+        else:
+            out[name] = t
+    return out
+
+
+def join_fused(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of `split_fused` (tensors already checked to be complete)."""
+    out = dict(tensors)
+    for name in list(tensors):
+        for fused, parts in FUSED.items():
+            if f".{parts[0]}." in name:
+                names = [name.replace(parts[0], part) for part in parts]
+                out[name.replace(parts[0], fused)] = torch.cat([out.pop(n) for n in names])
+    return out
 
 
 class CacheView:
@@ -146,25 +184,38 @@ class KVCache:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
-    def move_rows(self, slot: int, src: list[int], dst: list[int]) -> None:
-        """Move cache rows within a slot (all sources are read before any write): how an
-        accepted draft path is committed to consecutive positions."""
-        s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
-        self.k[:, slot, :, d] = self.k[:, slot, :, s]
-        self.v[:, slot, :, d] = self.v[:, slot, :, s]
+    def move_rows(self, moves: list[tuple[int, list[int], list[int]]]) -> None:
+        """Move cache rows within slots, for (slot, source rows, destination rows) triples, in
+        one indexed copy (all sources are read before any write): how accepted draft paths
+        are committed to consecutive positions."""
+        dev = self.k.device
+        slots = torch.tensor([s for s, src, _ in moves for _ in src], device=dev)
+        src = torch.tensor([i for _, rows, _ in moves for i in rows], device=dev)
+        dst = torch.tensor([i for _, _, rows in moves for i in rows], device=dev)
+        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
+        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
 
-def decode_inputs(input_ids, cache: KVCache, slots, starts, positions=None, tree_mask=None):
-    """Rotary positions, the (B, 1, q, span) attention mask and the CacheView of a decode call."""
+def rotary(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin of shape (B, 1, T, head_dim) for absolute `positions` (B, T)."""
+    # headroom past the context: draft-tree nodes of a request at its limit (discarded anyway)
+    cos, sin = rotary_table(cfg.rope_theta, cfg.head_size, cfg.max_position_embeddings + 1024, positions.device, dtype)
+    return cos[positions][:, None], sin[positions][:, None]
+
+
+def decode_inputs(input_ids, cache: KVCache, slots, starts, positions=None, tree_mask=None, span=None):
+    """Rotary positions, the (B, 1, q, span) attention mask and the CacheView of a decode call.
+    `span` = max(starts) + q when the caller knows it (reading starts back costs a device sync)."""
     B, q = input_ids.shape
     offsets = torch.arange(q, device=input_ids.device)
     index = starts[:, None] + offsets
     if positions is None:
         positions = index
-    span = int(starts.max()) + q
+    if span is None:
+        span = int(starts.max()) + q
     if span > cache.max_len:
         raise ValueError(f"sequence of {span} tokens exceeds the KV cache length {cache.max_len}")
     if tree_mask is None:
@@ -199,8 +250,7 @@ class Transformer(nn.Module):
 
     def _run(self, ids, positions, mask=None, cache=None, view=None):
         x = self.embed_tokens(ids)
-        cfg = self.config
-        cos, sin = rotary_tables(inv_freq(cfg.rope_theta, cfg.head_size, x.device, x.dtype), positions, x.dtype)
+        cos, sin = rotary(self.config, positions, x.dtype)
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i], view)
             x = layer(x, cos, sin, mask, kv)
@@ -217,7 +267,7 @@ class Transformer(nn.Module):
         return self._run(input_ids, positions, mask)
 
     def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor | slice, starts: torch.Tensor,
-               positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None):
+               positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None, span: int | None = None):
         """Run q = input_ids.shape[1] new tokens per sequence against the cache.
 
         input_ids (B, q); slots (B,) cache slot per sequence, or slice(a, a + B) for consecutive
@@ -227,13 +277,14 @@ class Transformer(nn.Module):
         says which of them token i may attend to (default causal over the new tokens; W > q lets
         a draft tree attend to the nodes of earlier draft steps selectively). Rows before the
         window are always visible.
+        span (int): max(starts) + q, if the caller knows it.
         Returns logits (B, q, V) and hidden states (B, q, H).
         """
-        positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask)
+        positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask, span)
         return self._run(input_ids, positions, mask, cache, view)
 
     def prefill(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor | slice):
         """Prompts right-padded to a common length; pads sit after each prompt, so causal
         attention never lets a real token see one, and decode later overwrites their rows."""
         starts = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-        return self.decode(input_ids, cache, slots, starts)
+        return self.decode(input_ids, cache, slots, starts, span=input_ids.shape[1])

@@ -45,9 +45,11 @@ from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_che
 from tailtamer.rl.data import load_task_rows
 from tailtamer.rl.rewards import RewardScorer, merge_failures
 from tailtamer.rl.run_dir import DEFAULT_NAME, claim_run_dir, keep_metrics_before, record_resume, resume_changes
-from tailtamer.rollout.engine import Engine, EngineConfig, mean_accept_len
+from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
-from tailtamer.rollout.speculative import EagleProposer, Strategy, make_speculator
+from tailtamer.rollout.speculative import Strategy
+from tailtamer.rollout.speculator import make_speculator
+from tailtamer.rollout.stats import mean_accept_len
 from tailtamer.stopping import Interrupted, StopRequest
 
 
@@ -58,6 +60,12 @@ class TrainingError(TailtamerError):
 class StepAborted(TrainingError):
     """A step cannot go on; raised on every worker before it changed any weights, so the state
     between the two steps can still be checkpointed."""
+
+
+def step_prompts(rows: list, seed: int, step: int, k: int) -> list:
+    """The prompts of RL step `step`: k rows drawn without replacement by a generator keyed by
+    (seed, step), so a resumed run draws what an uninterrupted one did."""
+    return random.Random(f"{seed}/{step}").sample(rows, min(k, len(rows)))
 
 
 def score_rewards(s: RunState, items: list[tuple[str, str]]) -> torch.Tensor:
@@ -104,8 +112,7 @@ def rl_step(s: RunState) -> dict:
 
     # 1. Rollout: group_size samples for each of prompts_per_step prompts; this worker
     #    generates a contiguous shard of the prompts, each from its global sampling stream.
-    rng = random.Random(f"{cfg.run.seed}/{s.step}")
-    prompts = rng.sample(s.train_rows, min(roll.prompts_per_step, len(s.train_rows)))
+    prompts = step_prompts(s.train_rows, cfg.run.seed, s.step, roll.prompts_per_step)
     lo, hi = w.shard(len(prompts))
     batch = prompts[lo:hi]
     params = SamplingParams(temperature=roll.temperature, top_p=roll.top_p, max_new_tokens=roll.max_new_tokens,
@@ -237,7 +244,7 @@ def rl_step(s: RunState) -> dict:
 
     # 8. Weight check: every engine runs the module its worker trained; compare what each
     #    will run next with worker 0's, so a stale or diverged copy stops the run.
-    drafter_module = s.engine.proposer.drafter if isinstance(s.engine.proposer, EagleProposer) else None
+    drafter_module = s.engine.proposer.drafter if s.engine.proposer is not None else None
     weights = (weights_checksum(s.model), weights_checksum(drafter_module) if drafter_module is not None else None)
     check_same_weights(w.gather(weights), s.step)
     wall_end = time.time()
@@ -418,11 +425,11 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
         optimizer, scheduler = make_opt(model)
     ref_model = load_model(model_dir).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
-                    **make_speculator(cfg.spec, model))
+                    speculator=make_speculator(cfg.spec, model))
     spot = frozen = None
     # With one worker and no training window, nothing would fill a buffer.
     trains = workers.world > 1 or cfg.drafter.single_worker == "window"
-    if cfg.drafter.train and trains and isinstance(engine.proposer, EagleProposer):
+    if cfg.drafter.train and trains and engine.proposer is not None and engine.proposer.drafter is not None:
         spot = SpotTrainer(engine.proposer.drafter, DataBuffer(cfg.drafter.buffer_mb << 20), cfg.drafter,
                            cfg.run.seed * 1009 + workers.rank)
         if resume is not None and (checkpoint / "drafter").is_dir():

@@ -6,6 +6,13 @@ its slot at once and the next queued request takes it. Sibling samples admitted 
 share one prefill (the prompt's KV rows are copied), which is what GRPO's n samples per
 prompt need. Per decode step the engine records the time and the number of running
 requests: that timeline is where the long tail shows.
+
+With a speculator, steps with few enough running requests (the long tail) are speculative:
+the proposer drafts a tree per request, the target verifies every tree in one forward, and
+the exact rule (rollout/speculative.py) accepts a path, for the whole batch at once.
+Sampling draws the token at response index t with the request's uniform number t
+(rollout/sampling.py), so a step costs one vectorised draw for the batch, and SD emits what
+plain decoding would.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ import torch
 
 from tailtamer.errors import ConfigError, DataError
 from tailtamer.model.transformer import KVCache, Transformer
-from tailtamer.rollout.sampling import SamplingParams, request_generator, sample, target_probs
-from tailtamer.rollout.speculative import Strategy, children_of, walk_tree
+from tailtamer.rollout.sampling import SamplingParams, request_key, sample, target_probs, uniforms
+from tailtamer.rollout.speculative import Strategy, accept
+from tailtamer.rollout.speculator import Speculator
+from tailtamer.rollout.stats import PHASES, RolloutStats
 
 
 @dataclass(frozen=True)
@@ -42,17 +51,14 @@ class Request:
     prompt_index: int
     sample_index: int
     prompt_ids: list[int]
-    generator: torch.Generator
+    key: int  # its random stream (rollout/sampling.py)
     max_new_tokens: int
+    row: int = 0  # its row of the uniforms table of a `generate` call
     output_ids: list[int] = field(default_factory=list)
     slot: int = -1
     cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     stop_at: int | None = None  # character offset where a stop string begins
-    # Speculative decoding with a learned drafter: pairs (h_j, x_{j+1}) it has not seen yet.
-    draft_cached: int = 0
-    extend_hidden: list = field(default_factory=list)
-    extend_tokens: list[int] = field(default_factory=list)
 
     @property
     def budget(self) -> int:
@@ -68,95 +74,13 @@ class Completion:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
 
 
-def mean_accept_len(hist: dict[int, int]) -> float:
-    """Tokens emitted per request per target forward while speculating (1.0 without SD), from
-    a histogram {tokens emitted: request-steps}."""
-    n = sum(hist.values())
-    return sum(k * v for k, v in hist.items()) / n if n else 1.0
-
-
-@dataclass
-class RolloutStats:
-    tokens: int = 0
-    seconds: float = 0.0
-    prefill_s: float = 0.0
-    decode_steps: int = 0  # target forwards after prefill (plain or verify)
-    sd_steps: int = 0
-    sd_seconds: float = 0.0
-    plain_seconds: float = 0.0  # decode steps without speculation
-    catch_up_s: float = 0.0  # the drafter catching up at each switch to SD (charged to no arm)
-    by_strategy: dict[str, dict] = field(default_factory=dict)  # name -> steps, seconds, tokens, request_steps
-    accept_lens: dict[int, int] = field(default_factory=dict)  # tokens emitted per request-step -> count
-    depth_accepts: dict[int, int] = field(default_factory=dict)  # draft depth d -> request-steps accepting >= d
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (seconds, running, arm) per step
-
-    def record_step(self, end: float, seconds: float, running: int, arm: str, tokens: int) -> None:
-        self.decode_steps += 1
-        if arm == "plain":
-            self.plain_seconds += seconds
-        else:
-            self.sd_steps += 1
-            self.sd_seconds += seconds
-            entry = self.by_strategy.setdefault(arm, {"steps": 0, "seconds": 0.0, "tokens": 0, "request_steps": 0})
-            entry["steps"] += 1
-            entry["seconds"] += seconds
-            entry["tokens"] += tokens
-            entry["request_steps"] += running
-        self.timeline.append((end, running, arm))
-
-    def record_sd(self, emitted: int, drafted: int) -> None:
-        self.accept_lens[emitted] = self.accept_lens.get(emitted, 0) + 1
-        self.drafted_tokens += drafted
-        self.accepted_tokens += emitted - 1
-        for d in range(1, emitted):
-            self.depth_accepts[d] = self.depth_accepts.get(d, 0) + 1
-
-    @property
-    def accept_len_mean(self) -> float:
-        return mean_accept_len(self.accept_lens)
-
-    def summary(self) -> dict:
-        n = sum(self.accept_lens.values())
-        return {
-            "tokens": self.tokens,
-            "seconds": self.seconds,
-            "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
-            "prefill_s": self.prefill_s,
-            "decode_steps": self.decode_steps,
-            "sd_steps": self.sd_steps,
-            "sd_seconds": self.sd_seconds,
-            "plain_seconds": self.plain_seconds,
-            "catch_up_s": self.catch_up_s,
-            "by_strategy": {k: {**v, "accept_len": v["tokens"] / v["request_steps"]} for k, v in self.by_strategy.items()},
-            "accept_len_mean": self.accept_len_mean,
-            "accept_len_hist": {str(k): v for k, v in sorted(self.accept_lens.items())},
-            "accept_rate_by_position": {str(d): c / n for d, c in sorted(self.depth_accepts.items())} if n else {},
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "timeline": [[round(t, 5), n, arm] for t, n, arm in self.timeline],
-        }
-
-
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, config: EngineConfig = EngineConfig(),
-                 eos_ids: tuple[int, ...] | None = None, proposer=None, strategy: Strategy | None = None,
-                 tuner=None, bs_threshold: int | None = None):
-        """Speculative decoding: a `proposer` (EagleProposer / NgramProposer) with either a fixed
-        `strategy` or a `tuner` (rollout/tuner.py) that picks one (or plain decoding) per step.
-        With `bs_threshold`, steps with more running requests than that decode plainly: SD only
-        in the long tail (TLT §2.3)."""
-        if strategy is not None and tuner is None:
-            from tailtamer.rollout.tuner import FixedTuner
-
-            tuner = FixedTuner(strategy)
-        if (proposer is None) != (tuner is None):
-            raise ConfigError("speculative decoding needs both a proposer and a strategy (or tuner)")
-        if bs_threshold is not None and bs_threshold < 1:
-            raise ConfigError(f"spec.bs_threshold must be >= 1, got {bs_threshold}")
-        self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.proposer, self.tuner, self.bs_threshold = proposer, tuner, bs_threshold
+                 eos_ids: tuple[int, ...] | None = None, speculator: Speculator | None = None):
+        """`speculator` (rollout/speculator.py): a proposer and a tuner that picks a strategy
+        (or plain decoding) per step; with its `bs_threshold`, steps with more running
+        requests than that decode plainly: SD only in the long tail (TLT §2.3)."""
+        self.model, self.tokenizer, self.config, self.speculator = model, tokenizer, config, speculator
         if eos_ids is None:
             eos_ids = model.config.eos_ids or (
                 (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
@@ -164,6 +88,15 @@ class Engine:
         self.max_seq_len = min(config.max_seq_len or model.config.max_position_embeddings,
                                model.config.max_position_embeddings)
         self._cache: KVCache | None = None
+        self._uniforms: torch.Tensor | None = None  # (requests, max_new_tokens + 1) of this generate
+
+    @property
+    def proposer(self):
+        return self.speculator.proposer if self.speculator is not None else None
+
+    @property
+    def tuner(self):
+        return self.speculator.tuner if self.speculator is not None else None
 
     def _cache_for(self, slots: int, length: int) -> KVCache:
         c = self._cache
@@ -187,8 +120,8 @@ class Engine:
                 raise DataError(f"{where}: prompt has {len(ids)} tokens; the context holds {self.max_seq_len} "
                                 f"(prompt + at least one new token)")
             new = min(params.max_new_tokens, self.max_seq_len - len(ids))
-            requests += [Request(i, j, list(ids), request_generator(params.seed, first_index + i, j, self.model.device), new)
-                         for j in range(params.n)]
+            requests += [Request(i, j, list(ids), request_key(params.seed, first_index + i, j), new,
+                                 row=len(requests) + j) for j in range(params.n)]
         return requests
 
     @torch.inference_mode()
@@ -199,15 +132,16 @@ class Engine:
         requests = self.make_requests(prompts, params, labels, first_index)
         slots = min(self.config.max_batch_size, len(requests))
         longest = max(r.budget for r in requests)
-        if self.proposer is not None:
-            strategies = self.tuner.strategies
+        device = self.model.device
+        self._uniforms = None if params.greedy else uniforms(
+            torch.tensor([r.key for r in requests], device=device),
+            torch.arange(params.max_new_tokens + 1, device=device)[None])
+        spec = self.speculator
+        if spec is not None:
+            strategies = spec.tuner.strategies
             verify = max(st.verify for st in strategies)
             draft_rows = max((st.depth - 1) * st.topk for st in strategies)
-            # Draft extend right-pads every request to the longest catch-up in the batch (a
-            # late-admitted request's whole prompt), so rows can reach twice the longest request.
-            self.proposer.reserve(slots, 2 * longest + max(verify, draft_rows) + 1)
-            if hasattr(self.proposer, "register"):
-                self.proposer.register(requests)
+            spec.proposer.reserve(slots, longest + max(verify, draft_rows) + 1)
             longest += verify
         cache = self._cache_for(slots, longest)
         queue, running, done = deque(requests), [], []
@@ -216,30 +150,32 @@ class Engine:
         while queue or running:
             admitted = self._admit(queue, running, slots)
             if admitted:
-                speculating = False
                 t0 = time.perf_counter()
                 self._prefill(admitted, cache, params)
                 stats.prefill_s += time.perf_counter() - t0
                 running += admitted
+                speculating = False
             else:
-                tail = self.proposer is not None and (self.bs_threshold is None or len(running) <= self.bs_threshold)
-                strategy = self.tuner.select(len(running)) if tail else None
+                tail = spec is not None and (spec.bs_threshold is None or len(running) <= spec.bs_threshold)
+                strategy = spec.tuner.select(len(running)) if tail else None
                 if strategy is not None and not speculating:
                     # The switch: the drafter catches up on what plain steps and prefills
                     # left, charged to no arm (the first arm pulled would otherwise pay it).
                     t0 = time.perf_counter()
-                    if self.proposer.catch_up(running):
+                    if spec.proposer.catch_up(running):
                         stats.catch_up_s += time.perf_counter() - t0
                 speculating = strategy is not None
                 t0, before = time.perf_counter(), sum(len(r.output_ids) for r in running)
+                PHASES.mark("engine loop")
                 if strategy is not None:
                     self._speculate(running, cache, params, stats, strategy)
                 else:
                     self._decode_one(running, cache, params)
                 t1 = time.perf_counter()
+                PHASES.mark("sd: host bookkeeping" if strategy else "plain: host bookkeeping")
                 emitted = sum(len(r.output_ids) for r in running) - before
                 if tail:
-                    self.tuner.record(strategy, len(running), t1 - t0, emitted)
+                    spec.tuner.record(strategy, len(running), t1 - t0, emitted)
                 stats.record_step(t1 - start, t1 - t0, len(running), strategy.name if strategy else "plain", emitted)
             done += [r for r in running if r.finish_reason]
             running = self._compact(running, cache)
@@ -248,20 +184,35 @@ class Engine:
         done.sort(key=lambda r: (r.prompt_index, r.sample_index))
         return [self._complete(r) for r in done], stats
 
+    def _draw(self, requests: list[Request], logits: torch.Tensor, params: SamplingParams,
+              indices: torch.Tensor) -> torch.Tensor:
+        """The tokens the target samples from logits (B, q, V), position (b, i) with the
+        request's uniform number indices[b, i] (the response index that draw would emit)."""
+        if params.greedy:
+            return logits.argmax(-1)
+        rows = torch.tensor([r.row for r in requests], device=logits.device)[:, None]
+        u = self._uniforms[rows, indices.clamp(max=self._uniforms.shape[1] - 1)]
+        return sample(target_probs(logits, params), u)
+
     def _decode_one(self, running: list[Request], cache: KVCache, params: SamplingParams) -> None:
-        """A plain decode step; with a learned drafter it also keeps the pairs (h_j, x_(j+1))
-        the target just computed, so switching to SD later needs no extra target forward."""
-        device = self.model.device
+        """A plain decode step; with a proposer that wants them, the target's features of the
+        step go to it (one tensor write), so switching to SD later needs no extra forward."""
+        device, B = self.model.device, len(running)
         ids = torch.tensor([[r.output_ids[-1]] for r in running], device=device)
-        starts = torch.tensor([r.cached for r in running], device=device)
-        logits, hidden = self.model.decode(ids, cache, slice(0, len(running)), starts)
-        self._emit(running, logits[:, -1], params)
-        keep = self.proposer is not None and self.proposer.needs_hidden
-        for i, r in enumerate(running):
+        cached = [r.cached for r in running]
+        starts = torch.tensor(cached, device=device)
+        PHASES.mark("plain: host bookkeeping")
+        logits, hidden = self.model.decode(ids, cache, slice(0, B), starts, span=max(cached) + 1)
+        PHASES.mark("plain: target forward")
+        index = torch.tensor([[len(r.output_ids)] for r in running], device=device)
+        tokens = self._draw(running, logits, params, index)
+        PHASES.mark("plain: sample")
+        if self.proposer is not None and self.proposer.needs_hidden:
+            self.proposer.observe(slice(0, B), starts[:, None], hidden, tokens)
+            PHASES.mark("plain: drafter observe")
+        for r, token in zip(running, tokens[:, 0].tolist()):
             r.cached += 1
-            if keep:
-                r.extend_hidden.append(hidden[i, :1])
-                r.extend_tokens.append(r.output_ids[-1])
+            self._append(r, token, params)
 
     def _admit(self, queue: deque, running: list[Request], slots: int) -> list[Request]:
         budget = self.config.max_tokens
@@ -287,70 +238,84 @@ class Engine:
         for hole, r in zip(holes, movers):
             cache.copy_slot(r.slot, hole, r.cached)
             if self.proposer is not None:
-                self.proposer.move_slot(r.slot, hole, r.draft_cached)
+                self.proposer.move_slot(r.slot, hole, r.cached)
             r.slot = hole
         return sorted(alive, key=lambda r: r.slot)
 
     def _prefill(self, admitted: list[Request], cache: KVCache, params: SamplingParams) -> None:
         """One forward for the distinct prompts (right-padded); siblings copy the KV rows."""
+        device = self.model.device
         leaders: dict[int, Request] = {}
         for r in admitted:
             leaders.setdefault(r.prompt_index, r)
         firsts = list(leaders.values())
         width = max(len(r.prompt_ids) for r in firsts)
         pad = next(iter(self.eos_ids), 0)
-        ids = torch.tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in firsts],
-                           device=self.model.device)
-        slot_t = torch.tensor([r.slot for r in firsts], device=self.model.device)
-        logits, hidden = self.model.prefill(ids, cache, slot_t)
-        last = torch.tensor([len(r.prompt_ids) - 1 for r in firsts], device=self.model.device)
-        last_logits = logits[torch.arange(len(firsts), device=last.device), last]
+        ids = torch.tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in firsts], device=device)
+        if self.proposer is not None:
+            self.proposer.admit(admitted)
+        logits, hidden = self.model.prefill(ids, cache, torch.tensor([r.slot for r in firsts], device=device))
         row = {r.prompt_index: k for k, r in enumerate(firsts)}
+        rows = torch.tensor([row[r.prompt_index] for r in admitted], device=device)
+        last = torch.tensor([len(r.prompt_ids) - 1 for r in admitted], device=device)
         for r in admitted:
             leader = leaders[r.prompt_index]
             if r is not leader:
                 cache.copy_slot(leader.slot, r.slot, len(r.prompt_ids))
             r.cached = len(r.prompt_ids)
-        self._emit(admitted, last_logits[[row[r.prompt_index] for r in admitted]], params)
+        first = self._draw(admitted, logits[rows, last][:, None], params, torch.zeros(len(admitted), 1, dtype=torch.long,
+                                                                                      device=device))[:, 0]
         if self.proposer is not None and self.proposer.needs_hidden:
-            for r in admitted:
-                r.extend_hidden = [hidden[row[r.prompt_index], : len(r.prompt_ids)]]
-                r.extend_tokens = r.prompt_ids[1:] + r.output_ids[:1]
+            # pairs (h_j, x_(j+1)) over each prompt; the pair at the prompt's end gets the first token
+            after = torch.cat([ids[:, 1:], ids[:, :1]], 1)[rows]
+            after[torch.arange(len(admitted), device=device), last] = first
+            slots = torch.tensor([r.slot for r in admitted], device=device)
+            self.proposer.observe(slots, torch.arange(width, device=device).expand(len(admitted), width),
+                                  hidden[rows], after)
+        for r, token in zip(admitted, first.tolist()):
+            self._append(r, token, params)
 
     def _speculate(self, running: list[Request], cache: KVCache, params: SamplingParams,
                    stats: RolloutStats, strategy: Strategy) -> None:
-        """One SD step (see rollout/speculative.py): draft a tree, verify it in one target
-        forward, walk it with the exact rule, commit the accepted path."""
-        starts = torch.tensor([r.cached for r in running], device=self.model.device)
+        """One SD step (see rollout/speculative.py): draft a tree per request, verify every tree
+        in one target forward, accept with the exact rule for the whole batch, commit."""
+        device, B = self.model.device, len(running)
+        cached = [r.cached for r in running]
+        starts = torch.tensor(cached, device=device)
+        PHASES.mark("sd: host bookkeeping")
         tree = self.proposer.propose(running, starts, strategy)
-        logits, hidden = self.model.decode(tree.tokens, cache, slice(0, len(running)), starts,
-                                           starts[:, None] + tree.depths, tree.attention_mask())
-        probs = target_probs(logits, params)
-        parents, tokens, valid = tree.parents.tolist(), tree.tokens.tolist(), tree.valid.tolist()
-        for b, r in enumerate(running):
+        mask = tree.attention_mask()
+        PHASES.mark("sd: tree mask")
+        logits, hidden = self.model.decode(tree.tokens, cache, slice(0, B), starts, starts[:, None] + tree.depths,
+                                           mask, span=max(cached) + tree.tokens.shape[1])
+        PHASES.mark("sd: verify (target forward)")
+        emitted_at = torch.tensor([[len(r.output_ids)] for r in running], device=device) + tree.depths
+        draws = self._draw(running, logits, params, emitted_at)
+        PHASES.mark("sd: sample")
+        path, tokens, length = accept(tree, draws)
+        PHASES.mark("sd: accept")
+        if self.proposer.needs_hidden:
+            positions = starts[:, None] + torch.arange(path.shape[1], device=device)
+            self.proposer.observe(slice(0, B), positions, hidden[torch.arange(B, device=device)[:, None], path], tokens)
+            PHASES.mark("sd: drafter observe")
+        moves = []
+        drafted = (tree.valid.sum(1) - 1).tolist()
+        for r, n, toks, nodes, d in zip(running, length.tolist(), tokens.tolist(), path.tolist(), drafted):
             before = len(r.output_ids)
-
-            def emit(token: int, r=r) -> bool:
+            for token in toks[:n]:
                 self._append(r, token, params)
-                return r.finish_reason is not None
-
-            path = walk_tree(probs[b], children_of(parents[b], tokens[b], valid[b]), r.generator,
-                             params.greedy, emit)
-            stats.record_sd(len(r.output_ids) - before, sum(valid[b]) - 1)
+                if r.finish_reason:
+                    break
+            stats.record_sd(len(r.output_ids) - before, d)
             if r.finish_reason:
                 continue
-            if len(path) > 1:
-                cache.move_rows(r.slot, [r.cached + i for i in path], [r.cached + j for j in range(len(path))])
-            if self.proposer.needs_hidden:
-                r.extend_hidden = [hidden[b, path]]
-                r.extend_tokens = r.output_ids[-len(path):]
-            r.cached += len(path)
-
-    def _emit(self, requests: list[Request], logits: torch.Tensor, params: SamplingParams) -> None:
-        probs = target_probs(logits, params)
-        tokens = sample(probs, [r.generator for r in requests], params.greedy).tolist()
-        for r, tok in zip(requests, tokens):
-            self._append(r, tok, params)
+            if nodes[:n] != list(range(n)):  # a tree's path: move its rows to consecutive positions
+                moves.append((r.slot, [r.cached + i for i in nodes[:n]], [r.cached + j for j in range(n)]))
+            r.cached += n
+        PHASES.mark("sd: host bookkeeping")
+        if moves:
+            cache.move_rows(moves)
+            PHASES.mark("sd: commit (KV moves)")
 
     def _append(self, r: Request, token: int, params: SamplingParams) -> None:
         r.output_ids.append(token)

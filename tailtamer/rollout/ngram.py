@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tailtamer.rollout.proposer import Proposer
 from tailtamer.rollout.speculative import Strategy, Tree
 
 
@@ -56,43 +57,34 @@ def trie_tree(pending: int, branches: list[list[int]], size: int) -> tuple[list[
     return tokens, parents, depths
 
 
-class NgramProposer:
-    needs_hidden = False
+class NgramProposer(Proposer):
+    """Reads the text itself, so of the engine's hooks it needs only `admit` (the siblings)."""
 
     def __init__(self, max_n: int = 4, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
         self.groups: dict[int, list] = {}
 
     def reserve(self, slots: int, max_len: int) -> None:
-        pass
-
-    def move_slot(self, src: int, dst: int, rows: int) -> None:
-        pass
-
-    def catch_up(self, running) -> bool:
-        return False  # it reads the text itself: nothing to process at the switch
-
-    def register(self, requests) -> None:
-        """Group requests by prompt so each can read its siblings' responses."""
         self.groups = {}
+
+    def admit(self, requests: list) -> None:
+        """Group requests by prompt so each can read its siblings' responses."""
         for r in requests:
             self.groups.setdefault(r.prompt_index, []).append(r)
 
-    def propose(self, running, starts: torch.Tensor, strategy: Strategy) -> Tree:
-        B, N, dev = len(running), strategy.verify, starts.device
-        tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
-        parents = torch.full((B, N), -1, dtype=torch.long, device=dev)
-        depths = torch.ones(B, N, dtype=torch.long, device=dev)
-        valid = torch.zeros(B, N, dtype=torch.bool, device=dev)
-        for b, r in enumerate(running):
+    def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
+        N, dev = strategy.verify, starts.device
+        tokens, parents, depths, valid = [], [], [], []
+        for r in running:
             context = r.prompt_ids + r.output_ids
             corpus = [context] + [s.output_ids for s in self.groups.get(r.prompt_index, []) if s is not r]
             branches = continuations(context, corpus, self.max_n, self.min_n, strategy.depth, strategy.topk)
             t, p, d = trie_tree(r.output_ids[-1], branches, N)
-            n = len(t)
-            tokens[b, :n] = torch.tensor(t)
-            parents[b, :n] = torch.tensor(p)
-            depths[b, :n] = torch.tensor(d)
-            valid[b, :n] = True
-        depths[:, 0] = 0
-        return Tree(tokens, parents, depths, valid)
+            pad = N - len(t)
+            tokens.append(t + [0] * pad)
+            parents.append(p + [-1] * pad)
+            depths.append(d + [1] * pad)
+            valid.append([True] * len(t) + [False] * pad)
+        as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype, device=dev)  # noqa: E731
+        return Tree(as_tensor(tokens, torch.long), as_tensor(parents, torch.long), as_tensor(depths, torch.long),
+                    as_tensor(valid, torch.bool), depth=strategy.depth)

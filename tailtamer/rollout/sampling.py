@@ -67,17 +67,46 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator], greedy: bool) -> torch.Tensor:
-    """One token per row of probs (B, V), row i drawn with generators[i] only, so a request's
-    sample never depends on which other requests share its batch."""
-    if greedy:
-        return probs.argmax(-1)
-    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+# A counter-based random stream per request: the uniform for the token at response index t
+# is a hash of (request key, t). Plain decoding and speculative decoding draw the token at
+# index t with the same uniform however many tokens a step emits, so with the same seed they
+# emit the same tokens, and a whole batch (or a whole draft tree) is sampled in one vectorised
+# call instead of one generator call per request. Mixing constants from C. Wellons' hash
+# prospector (bias 0.107), all below 2**31 so int64 products never overflow.
+_M32 = 0xFFFFFFFF
 
 
-def request_generator(seed: int, prompt_index: int, sample_index: int, device="cpu") -> torch.Generator:
-    """A generator keyed by (seed, prompt, sample): the stream is fixed by the request alone."""
-    g = torch.Generator(device=device)
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def request_key(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 62-bit key for the random stream of one request (one sample of one prompt)."""
     mixed = ((seed * 0x9E3779B97F4A7C15 + prompt_index) * 0xBF58476D1CE4E5B9 + sample_index) * 0x94D049BB133111EB
-    g.manual_seed(mixed % (1 << 63))
-    return g
+    mixed ^= mixed >> 31
+    return mixed % (1 << 62)
+
+
+def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """u in (0, 1), float64, one per (request key, response index): keys (B,) int64,
+    positions (B, ...) int64 < 2**31. 53 random bits from two 32-bit hashes."""
+    k = keys.reshape(keys.shape + (1,) * (positions.dim() - 1))
+    lo, hi = k & _M32, (k >> 31) & _M32
+    a = _mix32(lo ^ _mix32(positions ^ hi))
+    b = _mix32(hi ^ _mix32((positions + 0x5BD1E995) ^ lo))
+    return ((a << 21) + (b >> 11)).double().add_(0.5).mul_(2.0 ** -53)
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    """One token per distribution in probs (..., V) by inverse CDF with the uniforms u (...):
+    the first token whose cumulative probability reaches u (token k has chance p_k, and a
+    token of probability 0 is never drawn). u = None: greedy, the argmax."""
+    if u is None:
+        return probs.argmax(-1)
+    cdf = probs.double().cumsum(-1)
+    target = (u * cdf[..., -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=probs.shape[-1] - 1)

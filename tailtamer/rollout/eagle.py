@@ -1,0 +1,160 @@
+"""The EAGLE proposer: draft trees from a one-layer drafter fed with the target's own features.
+
+Per slot it keeps the pairs (h_j, x_{j+1}) the engine observed (the target's final hidden state
+at each committed position and the token after it) and how many of them its drafter has run
+over (`drafted`). An SD step first runs the drafter over the rest ("draft extend", so its KV
+cache holds true features for every committed position), then expands the tree from the last
+pair. A plain step costs the engine two tensor writes here (observe), nothing more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tailtamer.rollout.proposer import Proposer
+from tailtamer.rollout.speculative import Strategy, Tree
+from tailtamer.rollout.stats import PHASES
+
+
+def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: torch.Tensor,
+               root_hidden: torch.Tensor, pending: torch.Tensor, strategy: Strategy, max_start: int) -> Tree:
+    """EAGLE-2 style dynamic tree (Li et al. 2024b): expand the top-k beams by cumulative draft
+    log-probability for `depth` levels, then keep the N-1 best of all candidates.
+
+    root_logits / root_hidden: the drafter's output for pair (h_{n-1}, s) with s pending, i.e.
+    its guess of the distribution after s. Draft rows of depth-d beams go to drafter cache
+    rows starts + (d-1)K + i at position starts - 1 + d; each beam attends to its ancestors'
+    rows only (a window mask over all draft rows of this step).
+    """
+    B, K, D = batch, strategy.topk, strategy.depth
+    dev = root_logits.device
+    logp = torch.log_softmax(root_logits.float(), -1)
+    score, tok = logp.topk(K, dim=-1)  # (B, K)
+    cand_tok, cand_score = [tok], [score]
+    cand_parent = [torch.full((B, K), -1, device=dev)]
+    cand_depth = [torch.ones(B, K, dtype=torch.long, device=dev)]
+    beam_idx = torch.arange(K, device=dev).expand(B, K)  # candidate index of each beam
+    beam_tok, beam_score = tok, score
+    beam_hidden = root_hidden[:, None].expand(B, K, root_hidden.shape[-1])
+    rows = (D - 1) * K
+    beam_anc = torch.zeros(B, K, max(rows, 1), dtype=torch.bool, device=dev)
+    n_cand = K
+    for d in range(1, D):
+        col = (d - 1) * K + torch.arange(K, device=dev)
+        mask = beam_anc[:, :, : d * K].clone()
+        mask[:, torch.arange(K), col] = True
+        positions = (starts - 1 + d)[:, None].expand(B, K)
+        PHASES.mark("sd: draft tree bookkeeping")
+        logits, hidden = drafter.decode(beam_tok, beam_hidden, cache, slice(0, B), starts + (d - 1) * K,
+                                        positions, mask, span=max_start + d * K)
+        PHASES.mark(f"sd: draft level {d + 1}")
+        child_score, child_tok = torch.log_softmax(logits.float(), -1).topk(K, dim=-1)  # (B, K, K)
+        child_score = beam_score[:, :, None] + child_score
+        cand_tok.append(child_tok.reshape(B, K * K))
+        cand_score.append(child_score.reshape(B, K * K))
+        cand_parent.append(beam_idx[:, :, None].expand(B, K, K).reshape(B, K * K))
+        cand_depth.append(torch.full((B, K * K), d + 1, device=dev))
+        best_score, best = child_score.reshape(B, K * K).topk(K, dim=-1)
+        parent_beam = best // K
+        beam_tok = torch.gather(child_tok.reshape(B, K * K), 1, best)
+        beam_score = best_score
+        beam_hidden = torch.gather(hidden, 1, parent_beam[:, :, None].expand(B, K, hidden.shape[-1]))
+        beam_anc = torch.gather(mask, 1, parent_beam[:, :, None].expand(B, K, mask.shape[-1]))
+        beam_anc = torch.nn.functional.pad(beam_anc, (0, max(rows, 1) - beam_anc.shape[-1]))
+        beam_idx = n_cand + best
+        n_cand += K * K
+    PHASES.mark("sd: draft tree bookkeeping")
+    tokens, scores = torch.cat(cand_tok, 1), torch.cat(cand_score, 1)
+    parents, depths = torch.cat(cand_parent, 1), torch.cat(cand_depth, 1)
+    # Stable sort: among equal scores the shallower (earlier) candidate wins, so every chosen
+    # node's parent is chosen too (a child's score never exceeds its parent's).
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : strategy.verify - 1]
+    chosen = torch.sort(order, dim=1).values  # candidate order = depth order: parents first
+    # Map candidate index -> tree index (1-based; 0 is the pending root).
+    tree_index = torch.full((B, n_cand), -1, dtype=torch.long, device=dev)
+    tree_index.scatter_(1, chosen, torch.arange(1, strategy.verify, device=dev).expand(B, -1))
+    chosen_parent = torch.gather(parents, 1, chosen)
+    parent_tree = torch.where(chosen_parent < 0, torch.zeros_like(chosen_parent),
+                              torch.gather(tree_index, 1, chosen_parent.clamp(min=0)))
+    zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    PHASES.mark("sd: draft tree select")
+    return Tree(tokens=torch.cat([pending[:, None], torch.gather(tokens, 1, chosen)], 1),
+                parents=torch.cat([zero - 1, parent_tree], 1),
+                depths=torch.cat([zero, torch.gather(depths, 1, chosen)], 1),
+                valid=torch.ones(B, strategy.verify, dtype=torch.bool, device=dev), depth=D)
+
+
+class EagleProposer(Proposer):
+    needs_hidden = True
+
+    def __init__(self, drafter: torch.nn.Module):
+        self.drafter = drafter
+        self.cache = None
+        self.features = None  # (slots, max_len, H): h_j of each committed position j
+        self.next_tokens = None  # (slots, max_len): x_{j+1}
+        self.drafted: list[int] = []  # per slot: pairs the drafter's cache holds
+
+    def reserve(self, slots: int, max_len: int) -> None:
+        w = self.drafter.fc.weight
+        if self.features is None or self.features.shape[0] < slots or self.features.shape[1] < max_len:
+            H = self.drafter.config.hidden_size
+            self.features = torch.zeros(slots, max_len, H, dtype=w.dtype, device=w.device)
+            self.next_tokens = torch.zeros(slots, max_len, dtype=torch.long, device=w.device)
+        # A draft extend right-pads every request to the longest backlog in the batch (a
+        # late-admitted request's whole prompt), so drafter rows reach up to twice max_len.
+        c = self.cache
+        if c is None or c.slots < slots or c.max_len < 2 * max_len:
+            self.cache = self.drafter.new_cache(slots, 2 * max_len)
+        self.drafted = [0] * self.features.shape[0]
+
+    def admit(self, requests: list) -> None:
+        for r in requests:
+            self.drafted[r.slot] = 0
+
+    def observe(self, slots, positions, hidden, next_tokens) -> None:
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None] if isinstance(slots, slice) \
+            else slots[:, None]
+        positions = positions.clamp(max=self.features.shape[1] - 1)
+        self.features[rows, positions] = hidden.to(self.features.dtype)
+        self.next_tokens[rows, positions] = next_tokens
+
+    def move_slot(self, src: int, dst: int, rows: int) -> None:
+        self.cache.copy_slot(src, dst, self.drafted[src])
+        self.features[dst, :rows] = self.features[src, :rows]
+        self.next_tokens[dst, :rows] = self.next_tokens[src, :rows]
+        self.drafted[dst] = self.drafted[src]
+
+    def catch_up(self, running: list) -> bool:
+        """Run the drafter over every observed pair but each request's last (the backlog of
+        plain steps and prefills), leaving the SD step only its own extend."""
+        behind = [r for r in running if r.cached - self.drafted[r.slot] > 1]
+        if behind:
+            self._extend(behind, [r.cached - 1 for r in behind])
+        return bool(behind)
+
+    def _extend(self, requests: list, ends: list[int]):
+        """The drafter over pairs [drafted, end) of each request, written into its cache;
+        returns its logits and features at each request's last pair."""
+        dev = self.features.device
+        slot_ids = [r.slot for r in requests]
+        starts = [self.drafted[s] for s in slot_ids]
+        width = max(e - s for s, e in zip(starts, ends))
+        start_t = torch.tensor(starts, device=dev)
+        slots = slice(0, len(requests)) if slot_ids == list(range(len(requests))) else torch.tensor(slot_ids, device=dev)
+        rows = torch.tensor(slot_ids, device=dev)[:, None]
+        index = (start_t[:, None] + torch.arange(width, device=dev)).clamp(max=self.features.shape[1] - 1)
+        PHASES.mark("sd: host bookkeeping")
+        logits, out = self.drafter.decode(self.next_tokens[rows, index], self.features[rows, index], self.cache,
+                                          slots, start_t, span=max(starts) + width)
+        PHASES.mark("sd: drafter extend (draft level 1)")
+        for s, e in zip(slot_ids, ends):
+            self.drafted[s] = e
+        last = torch.tensor([e - s - 1 for s, e in zip(starts, ends)], device=dev)
+        batch = torch.arange(len(requests), device=dev)
+        return logits[batch, last], out[batch, last]
+
+    def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
+        logits, out = self._extend(running, [r.cached for r in running])
+        pending = self.next_tokens[torch.arange(len(running), device=starts.device), starts - 1]
+        return eagle_tree(self.drafter, self.cache, len(running), starts, logits, out, pending, strategy,
+                          max(r.cached for r in running))

@@ -1,0 +1,50 @@
+"""What the rollout engine asks of a drafter (a proposer), declared once.
+
+The engine calls, in this order:
+  reserve(slots, max_len)   once per `generate`, before anything else: size (and clear) its
+                            per-slot state;
+  admit(requests)           requests that have just taken their slots, before their prefill
+                            is observed (siblings share a prompt index);
+  observe(slots, positions, hidden, next_tokens)
+                            after every target forward that commits tokens (prefill, plain
+                            step, SD step): the target's final hidden state at each committed
+                            position and the token that follows it (only if `needs_hidden`);
+  move_slot(src, dst, rows) when compaction moves a running request to a lower slot;
+  catch_up(running)         before the first SD step after plain steps or a prefill (timed
+                            apart: the switch's cost, charged to no strategy);
+  propose(running, starts, strategy) -> Tree
+                            every SD step: the draft tree of each running request.
+Per-slot state (features, a drafter's KV cache) belongs to the proposer; the engine's
+`Request`s are read, never written. The defaults below are what a proposer with no state of
+its own needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tailtamer.rollout.speculative import Strategy, Tree
+
+
+class Proposer:
+    needs_hidden = False  # whether observe() wants the target's hidden states
+    drafter: torch.nn.Module | None = None  # a learned drafter, which the adaptive drafter trains
+
+    def reserve(self, slots: int, max_len: int) -> None:
+        pass
+
+    def admit(self, requests: list) -> None:
+        pass
+
+    def observe(self, slots: torch.Tensor | slice, positions: torch.Tensor, hidden: torch.Tensor,
+                next_tokens: torch.Tensor) -> None:
+        pass
+
+    def move_slot(self, src: int, dst: int, rows: int) -> None:
+        pass
+
+    def catch_up(self, running: list) -> bool:
+        return False
+
+    def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
+        raise NotImplementedError

@@ -1,0 +1,93 @@
+"""Speculative decoding in the rollout: its config and the engine's speculator built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailtamer.config_fields import at_least, f
+from tailtamer.errors import ConfigError
+from tailtamer.model.drafter import load_drafter
+from tailtamer.rollout.eagle import EagleProposer
+from tailtamer.rollout.ngram import NgramProposer
+from tailtamer.rollout.proposer import Proposer
+from tailtamer.rollout.speculative import ACCEPTANCE_RULES, LOSSY_RULES, Strategy
+from tailtamer.rollout.tuner import BEGTuner, FixedTuner
+
+# BEG-MAB defaults: two real choices per tokens-to-verify group (fastrl's defaults have one,
+# so its bandit never learns), buckets of batch sizes 1-2, 3-8 and 9+ (Strategy.verify 8/5/3).
+DEFAULT_MAB_STRATEGIES = ("4_2_8", "3_3_8", "4_1_5", "2_2_5", "2_1_3", "1_2_3")
+DEFAULT_BUCKET_THRESHOLDS = (1, 3, 9)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    mode: str = f("off", "off, on (SD at every step, fixed strategy) or adaptive (SD in the long tail, tuned)")
+    strategy: str = f("4_2_8", "DEPTH_TOPK_VERIFY draft tree for mode=on and tuner=fixed")
+    drafter: str | None = f(None, "an EAGLE drafter directory, or ngram (model-free)")
+    acceptance: str = f("exact", "the acceptance rule; only the exact (lossless) one exists")
+    bs_threshold: int = f(4, "adaptive: speculate once at most this many requests run (0 = never: the "
+                             "drafter is attached and trained, for measuring what it costs)")
+    tuner: str = f("beg", "adaptive: beg (bucketed epsilon-greedy bandit, TLT §2.3) or fixed")
+    strategies: tuple[str, ...] = f(DEFAULT_MAB_STRATEGIES, "beg: the arms (plus 'no SD' in every bucket)")
+    bucket_thresholds: tuple[int, ...] = f(DEFAULT_BUCKET_THRESHOLDS, "beg: one per tokens-to-verify group")
+    epsilon: float = f(0.1, "beg: exploration probability")
+    window: int = f(30, "beg: rewards kept per arm (median)")
+    seed: int = f(0, "beg: exploration randomness (never the sampling randomness)")
+
+    def __post_init__(self):
+        if self.mode not in ("off", "on", "adaptive"):
+            raise ConfigError(f"spec.mode must be off, on or adaptive, got {self.mode!r}")
+        if self.acceptance in LOSSY_RULES or self.acceptance not in ACCEPTANCE_RULES:
+            raise ConfigError(f"spec.acceptance {self.acceptance!r} is refused: tailtamer only verifies "
+                              f"losslessly ({', '.join(ACCEPTANCE_RULES)}); a relaxed rule would change "
+                              f"what the policy samples")
+        try:
+            Strategy.parse(self.strategy)
+        except ConfigError as e:
+            raise ConfigError(f"spec.strategy: {e}") from None
+        if self.mode != "off" and not self.drafter:
+            raise ConfigError(f"spec.mode {self.mode} needs a drafter: a drafter directory or 'ngram'")
+        if self.tuner not in ("beg", "fixed"):
+            raise ConfigError(f"spec.tuner must be beg or fixed, got {self.tuner!r}")
+        at_least(self, "spec", 0, "bs_threshold")
+        if self.mode == "adaptive" and self.tuner == "beg":
+            self.make_tuner()  # validates strategies against bucket thresholds
+
+    def make_tuner(self):
+        if self.mode == "on" or self.tuner == "fixed":
+            return FixedTuner(Strategy.parse(self.strategy))
+        try:
+            arms = [Strategy.parse(s) for s in self.strategies]
+        except ConfigError as e:
+            raise ConfigError(f"spec.strategies: {e}") from None
+        return BEGTuner(arms, list(self.bucket_thresholds), self.epsilon, self.window, self.seed)
+
+
+@dataclass
+class Speculator:
+    """What the engine needs to speculate: a proposer, a tuner that picks a strategy (or plain
+    decoding) per step, and the long-tail switch (None: speculate at every step)."""
+
+    proposer: Proposer
+    tuner: FixedTuner | BEGTuner
+    bs_threshold: int | None = None
+
+    def __post_init__(self):
+        if self.bs_threshold is not None and self.bs_threshold < 0:
+            raise ConfigError(f"spec.bs_threshold must be >= 0, got {self.bs_threshold}")
+
+    @classmethod
+    def fixed(cls, proposer: Proposer, strategy: str | Strategy) -> "Speculator":
+        """SD at every step with one strategy."""
+        return cls(proposer, FixedTuner(Strategy.parse(strategy) if isinstance(strategy, str) else strategy))
+
+
+def make_speculator(spec: SpecConfig, target) -> Speculator | None:
+    """The engine's speculator for `spec`; None when it is off."""
+    if spec.mode == "off":
+        return None
+    if spec.drafter == "ngram":
+        proposer = NgramProposer()
+    else:
+        proposer = EagleProposer(load_drafter(spec.drafter, target))
+    return Speculator(proposer, spec.make_tuner(), spec.bs_threshold if spec.mode == "adaptive" else None)

@@ -1,0 +1,111 @@
+"""What a rollout reports: tokens, time by kind of step, accept lengths, the running timeline."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+def mean_accept_len(hist: dict[int, int]) -> float:
+    """Tokens emitted per request per target forward while speculating (1.0 without SD), from
+    a histogram {tokens emitted: request-steps}."""
+    n = sum(hist.values())
+    return sum(k * v for k, v in hist.items()) / n if n else 1.0
+
+
+@dataclass
+class RolloutStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    prefill_s: float = 0.0
+    decode_steps: int = 0  # target forwards after prefill (plain or verify)
+    sd_steps: int = 0
+    sd_seconds: float = 0.0
+    plain_seconds: float = 0.0  # decode steps without speculation
+    catch_up_s: float = 0.0  # the drafter catching up at each switch to SD (charged to no arm)
+    by_strategy: dict[str, dict] = field(default_factory=dict)  # name -> steps, seconds, tokens, request_steps
+    accept_lens: dict[int, int] = field(default_factory=dict)  # tokens emitted per request-step -> count
+    depth_accepts: dict[int, int] = field(default_factory=dict)  # draft depth d -> request-steps accepting >= d
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (seconds, running, arm) per step
+
+    def record_step(self, end: float, seconds: float, running: int, arm: str, tokens: int) -> None:
+        self.decode_steps += 1
+        if arm == "plain":
+            self.plain_seconds += seconds
+        else:
+            self.sd_steps += 1
+            self.sd_seconds += seconds
+            entry = self.by_strategy.setdefault(arm, {"steps": 0, "seconds": 0.0, "tokens": 0, "request_steps": 0})
+            entry["steps"] += 1
+            entry["seconds"] += seconds
+            entry["tokens"] += tokens
+            entry["request_steps"] += running
+        self.timeline.append((end, running, arm))
+
+    def record_sd(self, emitted: int, drafted: int) -> None:
+        self.accept_lens[emitted] = self.accept_lens.get(emitted, 0) + 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += emitted - 1
+        for d in range(1, emitted):
+            self.depth_accepts[d] = self.depth_accepts.get(d, 0) + 1
+
+    @property
+    def accept_len_mean(self) -> float:
+        return mean_accept_len(self.accept_lens)
+
+    def summary(self) -> dict:
+        n = sum(self.accept_lens.values())
+        return {
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
+            "prefill_s": self.prefill_s,
+            "decode_steps": self.decode_steps,
+            "sd_steps": self.sd_steps,
+            "sd_seconds": self.sd_seconds,
+            "plain_seconds": self.plain_seconds,
+            "catch_up_s": self.catch_up_s,
+            "by_strategy": {k: {**v, "accept_len": v["tokens"] / v["request_steps"]} for k, v in self.by_strategy.items()},
+            "accept_len_mean": self.accept_len_mean,
+            "accept_len_hist": {str(k): v for k, v in sorted(self.accept_lens.items())},
+            "accept_rate_by_position": {str(d): c / n for d, c in sorted(self.depth_accepts.items())} if n else {},
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "timeline": [[round(t, 5), n, arm] for t, n, arm in self.timeline],
+        }
+
+
+class Phases:
+    """Wall time by phase of the engine's steps, for `tailtamer bench profile`: each `mark(name)`
+    charges the time since the previous mark to `name`. Off (one attribute test per mark)
+    unless a profile turns it on; on an accelerator a mark waits for the device first."""
+
+    def __init__(self):
+        self.on = False
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._last = 0.0
+        self._sync = None
+
+    def start(self, sync=None) -> None:
+        self.on, self.seconds, self.counts, self._sync = True, {}, {}, sync
+        self._last = time.perf_counter()
+
+    def stop(self) -> dict[str, tuple[float, int]]:
+        self.on = False
+        return {k: (v, self.counts[k]) for k, v in self.seconds.items()}
+
+    def mark(self, name: str) -> None:
+        if not self.on:
+            return
+        if self._sync is not None:
+            self._sync()
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self._last = now
+
+
+PHASES = Phases()
