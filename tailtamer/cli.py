@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from tailtamer.errors import TailtamerError
@@ -15,24 +16,49 @@ from tailtamer.stopping import Interrupted
 from tailtamer.rollout.speculator import SpecConfig
 
 
-def output_file(path: str, flag: str) -> None:
-    """An output file must be writable where it is asked for, checked before any work."""
+def _writable_dir(directory: Path, flag: str, path: str) -> None:
+    """Create `directory` if needed and prove a file can be written there (as root, mode bits
+    say nothing, so try it)."""
+    if any(parent.is_file() for parent in [directory, *directory.parents]):
+        raise TailtamerError(f"{flag} {path}: a parent of it is a file")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise TailtamerError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def output_file(path: str, flag: str, inputs: dict[str, str] = {}) -> None:
+    """An output file must be writable where it is asked for and must not be one of the
+    command's inputs (or lie inside an input directory), checked before any work."""
     p = Path(path)
     if p.is_dir():
         raise TailtamerError(f"{flag} {path} is a directory; give a file path")
-    if any(parent.is_file() for parent in p.parents):
-        raise TailtamerError(f"{flag} {path}: a parent of it is a file")
+    for other_flag, other in inputs.items():
+        o = Path(other).resolve()
+        if p.resolve() == o or o in p.resolve().parents:
+            raise TailtamerError(f"{flag} {path} would overwrite {other_flag} {other}")
+    _writable_dir(p.parent, flag, path)
 
 
-def fresh_output_dir(path: str, flag: str) -> None:
-    """A directory a command writes a model into: never over a file or another model."""
+def fresh_output_dir(path: str, flag: str, ours: tuple[str, ...] = ()) -> None:
+    """A directory a command writes into: never over a file or another directory's content
+    (files named in `ours`, the command's own earlier output, excepted)."""
     p = Path(path)
     if p.is_file():
         raise TailtamerError(f"{flag} {path} is a file; give a directory to create")
-    if p.is_dir() and any(p.iterdir()):
+    if p.is_dir() and any(child.name not in ours for child in p.iterdir()):
         raise TailtamerError(f"{flag} {path} already exists and is not empty; give a new directory")
-    if any(parent.is_file() for parent in p.parents):
-        raise TailtamerError(f"{flag} {path}: a parent of it is a file")
+    _writable_dir(p, flag, path)
+
+
+def seed(text: str) -> int:
+    """argparse type: a seed PyTorch accepts."""
+    value = int(text)
+    if not 0 <= value < 2 ** 63:
+        raise ValueError(text)
+    return value
 
 
 def at_least_one(value: int, flag: str) -> int:
@@ -50,6 +76,8 @@ def cmd_train(args) -> None:
         return
     items = list(args.items)
     path = items.pop(0) if items and "=" not in items[0] else None
+    if args.resume is not None and not args.resume.strip():
+        raise TailtamerError("--resume: empty path; give the run directory (e.g. runs/default)")
     resume = Path(args.resume) if args.resume else None
     if resume is not None:
         if path is not None:
@@ -75,9 +103,11 @@ def cmd_generate(args) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
     device = resolve_device(args.device)
-    output_file(args.out, "--out")
+    inputs = {"--prompts": args.prompts, "--model": args.model, **({"--drafter": args.drafter}
+                                                                   if args.drafter not in (None, "ngram") else {})}
+    output_file(args.out, "--out", inputs)
     if args.stats:
-        output_file(args.stats, "--stats")
+        output_file(args.stats, "--stats", {**inputs, "--out": args.out})
     model, tokenizer = load_pretrained(args.model, args.dtype, device)
     rows, prompts = load_prompts(args.prompts, tokenizer)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
@@ -165,10 +195,11 @@ def cmd_task(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from tailtamer.demo import run_demo
+    from tailtamer.demo import OUTPUT_FILES, run_demo
 
     at_least_one(args.prompts, "--prompts")
     at_least_one(args.n, "--n")
+    fresh_output_dir(args.out, "--out", ours=OUTPUT_FILES)
     run_demo(out_dir=Path(args.out), n_prompts=args.prompts, n=args.n, seed=args.seed,
              model=Path(args.model) if args.model else None)
 
@@ -204,9 +235,16 @@ def cmd_bench(args) -> None:
         atomic_write_json(args.out, report)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line, like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tailtamer", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="tailtamer", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     tr = sub.add_parser("train", help="GRPO-family RL; no arguments = the built-in default job")
     tr.add_argument("items", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
@@ -223,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=seed, default=0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when this PyTorch has a GPU, else cpu)")
@@ -239,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tuner", default="beg", choices=["beg", "fixed"], help="adaptive: strategy choice")
 
     dr = sub.add_parser("drafter", help="drafter tools")
-    dsub = dr.add_subparsers(dest="drafter_command", required=True)
+    dsub = dr.add_subparsers(dest="drafter_command", required=True, parser_class=_Parser)
     dt = dsub.add_parser("train", help="offline warm-up of an EAGLE drafter on the target's hidden states")
     dt.add_argument("--model", required=True, help="target model directory")
     dt.add_argument("--data", required=True, help="JSONL with 'text' (or 'prompt' + 'response'), or 'builtin'")
@@ -247,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--init", help="continue from this drafter directory")
     dt.add_argument("--steps", type=int)
     dt.add_argument("--lr", type=float)
-    dt.add_argument("--seed", type=int)
+    dt.add_argument("--seed", type=seed)
     dt.set_defaults(func=cmd_drafter_train)
 
     s = sub.add_parser("sft", help="train (or find in the cache) the built-in task's base model")
@@ -255,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, help="steps on worked traces (default 1200)")
     s.add_argument("--habit-steps", type=int, help="then steps where the teacher often answers directly "
                                                     "(default 150; 0 = no habit for RL to unlearn)")
-    s.add_argument("--seed", type=int)
+    s.add_argument("--seed", type=seed)
     s.add_argument("--preset")
     s.set_defaults(func=cmd_sft)
 
@@ -264,20 +302,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--out", required=True)
     i.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
     i.add_argument("--tokenizer", help="directory with tokenizer.json (default: the built-in character tokenizer)")
-    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--seed", type=seed, default=0)
     i.set_defaults(func=cmd_init_model)
 
     t = sub.add_parser("task", help="write built-in task prompts as JSONL")
     t.add_argument("--out", required=True)
     t.add_argument("--n", type=int, default=64)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=seed, default=0)
     t.set_defaults(func=cmd_task)
 
     d = sub.add_parser("demo", help="one long-tail rollout of the built-in base model (the RL job is `tailtamer train`)")
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--prompts", type=int, default=64)
     d.add_argument("--n", type=int, default=8)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=seed, default=0)
     d.add_argument("--model", help="model directory (default: the built-in base model)")
     d.set_defaults(func=cmd_demo)
 

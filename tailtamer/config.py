@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from tailtamer.config_fields import at_least, f, positive
+from tailtamer.config_fields import at_least, at_most, f, positive
 from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError
 from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
@@ -38,8 +38,29 @@ _YAML12Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+def _mapping_without_duplicates(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+# A key given twice would silently drop the first section or value.
+_YAML12Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def parse_yaml(text: str):
     return yaml.load(text, Loader=_YAML12Loader)
+
+
+def yaml_error(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: the problem and where (YAML's own message spans several)."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 @dataclass(frozen=True)
@@ -60,6 +81,9 @@ class RunConfig:
         at_least(self, "run", 1, "steps")
         at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers")
         positive(self, "run", "dist_timeout_s")
+        at_most(self, "run", 7 * 86400, "dist_timeout_s")
+        if self.name is not None and (not self.name or Path(self.name).name != self.name or self.name in (".", "..")):
+            raise ConfigError(f"run.name must be a plain directory name inside run.out_dir, got {self.name!r}")
 
 
 @dataclass(frozen=True)
@@ -122,6 +146,7 @@ class RLConfig:
         if self.overlong not in ("none", "mask", "penalty"):
             raise ConfigError(f"rl.overlong must be none, mask or penalty, got {self.overlong!r}")
         positive(self, "rl", "lr", "grad_clip", "reward_timeout_s")
+        at_most(self, "rl", 86400, "reward_timeout_s")
         at_least(self, "rl", 0, "kl_coef", "entropy_coef", "weight_decay", "warmup")
         at_least(self, "rl", 1, "ppo_epochs", "minibatches", "micro_batch_size", "micro_batch_tokens",
                  "overlong_buffer")
@@ -141,6 +166,9 @@ class TrainConfig:
     drafter: SpotConfig = f(SpotConfig(), "adaptive drafter: online training on idle time")
 
     def __post_init__(self):
+        if self.rl.overlong == "penalty" and self.rl.overlong_buffer >= self.rollout.max_new_tokens:
+            raise ConfigError(f"rl.overlong_buffer ({self.rl.overlong_buffer}) must be below rollout.max_new_tokens "
+                              f"({self.rollout.max_new_tokens}): the penalty would hit every response")
         if self.rollout.prompts_per_step * self.rollout.group_size % self.rl.minibatches:
             raise ConfigError(f"rl.minibatches ({self.rl.minibatches}) must divide prompts_per_step x group_size "
                               f"({self.rollout.prompts_per_step * self.rollout.group_size})")
@@ -222,7 +250,7 @@ def apply_override(data: dict, item: str) -> None:
     try:
         value = parse_yaml(raw) if raw != "" else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: cannot parse the value ({e})") from None
+        raise ConfigError(f"override {item!r}: cannot parse the value ({yaml_error(e)})") from None
     node = data
     parts = key.strip().split(".")
     for part in parts[:-1]:
@@ -241,7 +269,9 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = ())
         try:
             data = parse_yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: malformed YAML ({e})") from None
+            raise ConfigError(f"{path}: malformed YAML ({yaml_error(e)})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not valid UTF-8 (byte {e.start + 1})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     for item in overrides:

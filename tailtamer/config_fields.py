@@ -13,6 +13,12 @@ def at_least(section, name: str, minimum: int, *fields_: str) -> None:
             raise ConfigError(f"{name}.{fl} must be >= {minimum}, got {getattr(section, fl)}")
 
 
+def at_most(section, name: str, maximum: float, *fields_: str) -> None:
+    for fl in fields_:
+        if getattr(section, fl) > maximum:
+            raise ConfigError(f"{name}.{fl} must be <= {maximum}, got {getattr(section, fl)}")
+
+
 def positive(section, name: str, *fields_: str) -> None:
     for fl in fields_:
         if not getattr(section, fl) > 0:

@@ -62,6 +62,9 @@ def accuracy_breakdown(problems: list[dict], completions, rewards: list[float]) 
     return {k: [sum(v) / len(v), len(v)] for k, v in sorted(groups.items())}
 
 
+OUTPUT_FILES = ("completions.jsonl", "report.json", "timeline.json")
+
+
 def run_demo(out_dir: Path, n_prompts: int = 64, n: int = 8, seed: int = 0, model: Path | None = None) -> dict:
     model_dir = model or ensure_base_model(SFTConfig())
     problems, completions, rewards, stats = evaluate(model_dir, n_prompts, n, seed)
@@ -90,5 +93,5 @@ def run_demo(out_dir: Path, n_prompts: int = 64, n: int = 8, seed: int = 0, mode
           f"(max/p50 = {L['max_over_p50']:.1f})")
     print(f"rollout {stats.seconds:.1f}s, {report['tokens_per_s']:.0f} tokens/s; "
           f"{tail['time_share']:.0%} of decode time ran with <= {tail['running_at_most']} requests left")
-    print(f"wrote {out_dir}/report.json, completions.jsonl, timeline.json")
+    print(f"wrote {out_dir}/{', '.join(OUTPUT_FILES)}")
     return report

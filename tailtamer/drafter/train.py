@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -19,11 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from tailtamer.atomic import atomic_write_json
-from tailtamer.errors import ConfigError, DataError
+from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.drafter import Drafter, init_drafter, save_drafter
 from tailtamer.model.io import load_pretrained
 from tailtamer.model.transformer import Transformer
 from tailtamer.sft import make_batch
+
+
+class TrainingDiverged(TailtamerError):
+    """Training produced non-finite weights."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class DrafterTrainConfig:
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError("drafter training: steps and batch_size must be >= 1")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"drafter training: lr must be a finite number > 0, got {self.lr}")
         if self.value_weight < 0 or self.prob_weight < 0 or self.value_weight + self.prob_weight == 0:
             raise ConfigError("drafter training: value_weight and prob_weight must be >= 0, not both 0")
 
@@ -157,6 +164,9 @@ def _train(target, sequences, cfg, drafter, rng, log):
             log(f"drafter step {step:4d}/{cfg.steps}  loss {loss.item():.4f}  top-1 {acc:.1%}  "
                 f"{time.perf_counter() - t0:5.1f}s")
     drafter.eval()
+    if not all(torch.isfinite(p).all() for p in drafter.parameters()):
+        raise TrainingDiverged(f"drafter training diverged (loss {history[-1]['loss']}); nothing was written: "
+                               f"try a lower --lr than {cfg.lr}")
     return drafter, {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "final": history[-1]}
 
 

@@ -8,6 +8,7 @@ embeddings, grouped-query attention and a SwiGLU MLP:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -44,8 +45,12 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2 ** 31:
+                raise ConfigError(f"{name} must be a positive integer below 2**31, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -56,9 +61,11 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be a positive integer, got {self.head_dim!r}")
         ids = [self.bos_token_id, self.pad_token_id] + (
             list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id])
-        if any(i is not None and (not isinstance(i, int) or isinstance(i, bool) or i < 0) for i in ids):
-            raise ConfigError(f"bos_token_id, eos_token_id and pad_token_id must be token ids (integers >= 0), "
-                              f"got {self.bos_token_id!r}, {self.eos_token_id!r}, {self.pad_token_id!r}")
+        if any(i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size)
+               for i in ids):
+            raise ConfigError(f"bos_token_id, eos_token_id and pad_token_id must be token ids (integers in "
+                              f"[0, vocab_size={self.vocab_size})), got {self.bos_token_id!r}, {self.eos_token_id!r}, "
+                              f"{self.pad_token_id!r}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -102,6 +109,10 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise CheckpointError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs) \
+                or not isinstance(raw.get("model_type", ""), str):
+            raise CheckpointError(f"{source}: architectures must be a list of names and model_type a name, got "
+                                  f"{archs!r}, {raw.get('model_type')!r}")
         arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}.get(
             raw.get("model_type", ""), raw.get("model_type"))
         if arch not in ARCHITECTURES:

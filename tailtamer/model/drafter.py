@@ -34,7 +34,10 @@ from tailtamer.model.transformer import (DecoderLayer, KVCache, Transformer, dec
 
 EAGLE_ARCHITECTURES = {"Qwen2ForCausalLM": "Qwen2ForCausalLMEagle", "LlamaForCausalLM": "LlamaForCausalLMEagle"}
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
-MATCHING_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+# The drafter runs with the target's own values of these: a drafter trained with others would
+# be silently wrong.
+MATCHING_FIELDS = ("architecture", "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "attention_bias", "mlp_bias")
 
 
 class Drafter(nn.Module):
@@ -127,6 +130,8 @@ def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
         raise CheckpointError(f"{path}: architecture {arch!r} is not an EAGLE drafter; "
                               f"expected one of {sorted(EAGLE_ARCHITECTURES.values())}")
     cfg = ModelConfig.from_hf({**raw, "architectures": [base]}, source=str(path))
+    if cfg.num_hidden_layers != 1:
+        raise CheckpointError(f"{path}: an EAGLE drafter has num_hidden_layers 1, got {cfg.num_hidden_layers}")
     check_fits(cfg, target.config, f"drafter {drafter_dir}")
     # Checkpoints from other tools may carry a copy of the embedding or head: the target's wins.
     tensors = {k: v for k, v in read_safetensors(drafter_dir).items() if not k.startswith(SHARED_PREFIXES)}

@@ -61,8 +61,14 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
     files = [single] if single.is_file() else []
     if not files and index.is_file():
-        weight_map = read_json(index, "safetensors index").get("weight_map", {})
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        spec = read_json(index, "safetensors index")
+        weight_map = spec.get("weight_map") if isinstance(spec, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: expected an object with a weight_map of tensor name -> shard file")
+        names = sorted(set(weight_map.values()))
+        if any(Path(name).name != name for name in names):
+            raise CheckpointError(f"{index}: shard names must be files of the model directory, got {names[:3]}")
+        files = [model_dir / name for name in names]
     if not files:
         raise CheckpointError(f"{model_dir}: no model.safetensors (or model.safetensors.index.json)")
     tensors: dict[str, torch.Tensor] = {}
@@ -74,9 +80,15 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# Buffers some older checkpoints carry, which a model recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
 def check_state_dict(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], source: str) -> None:
-    """Raise naming every missing key and wrong shape (at most a few of each)."""
+    """Raise naming every missing, unexpected (the config describes a different model) and
+    misshapen tensor (at most a few of each)."""
     missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected and not k.endswith(IGNORED_SUFFIXES)]
     wrong = [f"{k}: expected {tuple(expected[k].shape)}, got {tuple(got[k].shape)}"
              for k in expected if k in got and got[k].shape != expected[k].shape]
     problems = []
@@ -85,6 +97,9 @@ def check_state_dict(expected: dict[str, torch.Tensor], got: dict[str, torch.Ten
                         + (" ..." if len(missing) > 5 else ""))
     if wrong:
         problems.append(f"wrong shape for {len(wrong)} tensor(s): {'; '.join(wrong[:5])}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensor(s) the config does not describe: {', '.join(unexpected[:5])}"
+                        + (" ..." if len(unexpected) > 5 else ""))
     if problems:
         raise CheckpointError(f"{source}: " + " | ".join(problems))
 
@@ -117,6 +132,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     raw = {from_hf_key(k): v for k, v in read_safetensors(model_dir).items()}
+    layers = {int(k.split(".")[1]) for k in raw if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    if len(layers) != cfg.num_hidden_layers:  # before building a model of the config's size
+        raise CheckpointError(f"{model_dir / 'config.json'}: num_hidden_layers is {cfg.num_hidden_layers} but "
+                              f"model.safetensors holds {len(layers)} layer(s)")
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = split_fused(model.state_dict(), cfg)

@@ -116,8 +116,13 @@ def _compile_template(template: str):
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
                          **special_tokens: str) -> str:
-    return _compile_template(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens)
+    try:
+        return _compile_template(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens)
+    except DataError:
+        raise
+    except Exception as e:  # the template is the model's code: syntax, undefined names, sandbox, arithmetic
+        raise DataError(f"chat template error: {type(e).__name__}: {e}") from None
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -135,9 +140,30 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if config_path.is_file():
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{config_path}: malformed JSON ({e})") from None
+        config = _checked_config(config, config_path)
     return Tokenizer(backend, config)
+
+
+def _checked_config(config, path: Path) -> dict:
+    """tokenizer_config.json fields tailtamer reads, checked; a list of named chat templates
+    (transformers' format for several) becomes its `default` one."""
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{path}: {name} must be a token string, got {config[name]!r}")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{path}: chat_template must be a string (or a list of named templates)")
+    return {**config, "chat_template": template} if "chat_template" in config else config
 
 
 def char_tokenizer() -> Tokenizer:

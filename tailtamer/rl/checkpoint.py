@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -51,7 +52,10 @@ def latest_checkpoint(run_dir: Path) -> Path:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.is_file():
         raise CheckpointError(f"{run_dir}: no checkpoint to resume from (checkpoints/latest is missing)")
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
+    name = pointer.read_bytes().decode("utf-8", errors="replace").strip()
+    if not re.fullmatch(r"step-\d{6,}", name):
+        raise CheckpointError(f"{pointer}: expected the name of a checkpoint of this run (step-NNNNNN), got {name[:40]!r}")
+    path = run_dir / "checkpoints" / name
     if not (path / "state.json").is_file():
         raise CheckpointError(f"{path}: checkpoint is incomplete (no state.json)")
     return path
@@ -70,7 +74,8 @@ def load_checkpoint(path: Path, optimizer_factory, dtype="float32"):
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     try:
         state = json.loads((path / "state.json").read_text())
-        int(state["step"])
+        if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
+            raise ValueError(f"step must be an integer >= 0, got {state['step']!r}")
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path / 'state.json'}: cannot read the trainer state ({type(e).__name__}: {e})") from None
     return model, optimizer, scheduler, state

@@ -6,6 +6,7 @@ Every error names the file and the 1-based row, and is raised before any work st
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from tailtamer.errors import DataError
@@ -29,6 +30,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{lineno}: JSON nested too deeply") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             row["_row"] = lineno
@@ -41,6 +44,15 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def prompt_text(row: dict, tokenizer: Tokenizer, where: str) -> str:
     """The text a row asks the model to continue: `prompt` as is, or `messages` through the
     tokenizer's chat template with the generation prompt appended."""
+    text = _prompt_text(row, tokenizer, where)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(f"{where}: the prompt is not valid Unicode (an unpaired surrogate such as \\ud800)") from None
+    return text
+
+
+def _prompt_text(row: dict, tokenizer: Tokenizer, where: str) -> str:
     if "prompt" in row:
         prompt = row["prompt"]
         if isinstance(prompt, list):  # verl-style datasets keep chat messages under `prompt`
@@ -104,13 +116,27 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def row_answer(row: dict, where: str) -> str:
-    """`answer`, or verl-style `reward_model.ground_truth`."""
-    if "answer" in row and row["answer"] is not None:
-        return str(row["answer"])
+    """`answer`, or verl-style `reward_model.ground_truth`, as the text a reward compares with:
+    a non-empty string or a number (a whole float, as a parquet column of integers with a
+    gap becomes, is written as the integer: 14.0 -> '14')."""
+    if row.get("answer") is not None:
+        return _answer_text(row["answer"], where, "answer")
     truth = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
     if truth is not None:
-        return str(truth)
+        return _answer_text(truth, where, "reward_model.ground_truth")
     raise DataError(f"{where}: row has no 'answer' (or 'reward_model.ground_truth')")
+
+
+def _answer_text(value, where: str, field: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DataError(f"{where}: field '{field}' must be a string or a number, got {type(value).__name__}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise DataError(f"{where}: field '{field}' is {value} (a missing value?)")
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, str) and not value.strip():
+        raise DataError(f"{where}: field '{field}' is empty")
+    return str(value)
 
 
 def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: int) -> tuple[list[dict], int]:
@@ -125,5 +151,6 @@ def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: in
             continue
         rows.append({"prompt_ids": ids, "answer": answer})
     if not rows:
-        raise DataError(f"{path}: every prompt is longer than data.max_prompt_tokens={max_prompt_tokens}")
+        raise DataError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens (data.max_prompt_tokens "
+                        f"or the model's context)")
     return rows, skipped

@@ -38,7 +38,9 @@ def main(read_fd: int, write_fd: int) -> None:
     sys.stdout = sys.stderr
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     spec, path = inbox.recv()
-    sys.path[:] = path
+    # The trainer's import path, and its working directory first: `rl.reward=myreward:fn` finds
+    # ./myreward.py whether the trainer runs as `tailtamer` or `python -m tailtamer`.
+    sys.path[:] = [os.getcwd()] + [p for p in path if p not in ("", os.getcwd())]
     from tailtamer.errors import ConfigError
     from tailtamer.rl.rewards import NotANumber, check_reward_value, resolve_reward
 
@@ -47,8 +49,9 @@ def main(read_fd: int, write_fd: int) -> None:
     except ConfigError as e:
         outbox.send(("config", str(e)))
         return
-    except Exception as e:  # an unpicklable or unimportable function object
-        outbox.send(("config", f"rl.reward: cannot load the reward function ({type(e).__name__}: {e})"))
+    except BaseException as e:  # an unpicklable function, or a module that exits or is interrupted on import
+        outbox.send(("config", f"rl.reward {spec if isinstance(spec, str) else ''}: cannot load the reward "
+                               f"function ({type(e).__name__}: {e})"))
         return
     outbox.send(("ready", None))
     while True:
@@ -61,7 +64,7 @@ def main(read_fd: int, write_fd: int) -> None:
                 outbox.send(("ok", check_reward_value(fn(response, answer))))
             except NotANumber as e:
                 outbox.send(("not a number", f"the reward {e}"))
-            except (Exception, SystemExit) as e:  # user code can fail in any way: one sample scores 0, counted
+            except BaseException as e:  # user code can fail in any way: one sample scores 0, counted
                 outbox.send((type(e).__name__, f"{type(e).__name__}: {e}"))
 
 

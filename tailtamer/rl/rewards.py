@@ -58,7 +58,7 @@ def load_user_reward(spec: str) -> Callable[[str, str], float]:
             module = importlib.import_module(target)
     except ConfigError:
         raise
-    except Exception as e:  # the user's module failed to import: say which and why
+    except BaseException as e:  # the user's module failed to import (or exited): say which and why
         raise ConfigError(f"rl.reward {spec!r}: cannot import {target} ({type(e).__name__}: {e})") from None
     fn = getattr(module, name, None)
     if not callable(fn):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,14 +45,16 @@ class RunDirLock:
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self, remove_if_unused: bool = False) -> None:
-        """Drop the lock; with `remove_if_unused`, remove a directory this claim created and
-        nothing else wrote into (a run that failed at start-up leaves no trace)."""
+        """Drop the lock; with `remove_if_unused`, remove a directory this claim created if the
+        run finished no step in it (a run that failed at start-up or in its first step leaves
+        no directory that would block its name)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if remove_if_unused and self.created and {p.name for p in self.path.iterdir()} <= {".lock"}:
-            (self.path / ".lock").unlink(missing_ok=True)
-            self.path.rmdir()
+        metrics = self.path / "metrics.jsonl"
+        finished_a_step = (metrics.is_file() and metrics.stat().st_size > 0) or (self.path / "checkpoints").exists()
+        if remove_if_unused and self.created and not finished_a_step:
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _holds_a_run(path: Path) -> bool:

@@ -333,11 +333,11 @@ def check_same_weights(checksums: list[tuple], step: int) -> None:
                                     f"worker 0's ({reference}): a stale or corrupted copy; the run stops here")
 
 
-def evaluate_greedy(s: RunState) -> float:
-    """Held-out greedy accuracy; each worker evaluates a shard."""
+def evaluate_greedy(s: RunState) -> float | None:
+    """Held-out greedy accuracy (None without held-out prompts); each worker evaluates a shard."""
     rows = s.eval_rows
     if not rows:
-        return float("nan")
+        return None
     lo, hi = s.workers.shard(len(rows))
     correct = 0.0
     if hi > lo:
@@ -360,8 +360,14 @@ def _optimizer_factory(cfg: TrainConfig):
     return make
 
 
-def _datasets(cfg: TrainConfig, tokenizer):
-    """(train rows, eval rows, prompts skipped as too long)."""
+def prompt_limit(cfg: TrainConfig, context: int) -> int:
+    """Longer prompts are skipped: data.max_prompt_tokens, or the model's context less the
+    one token a response needs at least."""
+    return min(cfg.data.max_prompt_tokens, context - 1)
+
+
+def _datasets(cfg: TrainConfig, tokenizer, limit: int):
+    """(train rows, eval rows, prompts skipped as longer than `limit` tokens)."""
     if cfg.data.train == "builtin":
         from tailtamer.demo import HELD_OUT_SEED
         from tailtamer.tasks.arithmetic import ArithmeticTask
@@ -373,10 +379,10 @@ def _datasets(cfg: TrainConfig, tokenizer):
         evals = rows(task.dataset(cfg.data.n_eval, seed=HELD_OUT_SEED)) if cfg.data.eval is None else None
         skipped = 0
     else:
-        train, skipped = load_task_rows(cfg.data.train, tokenizer, cfg.data.max_prompt_tokens)
+        train, skipped = load_task_rows(cfg.data.train, tokenizer, limit)
         evals = []
     if cfg.data.eval is not None:
-        evals, more = load_task_rows(cfg.data.eval, tokenizer, cfg.data.max_prompt_tokens)
+        evals, more = load_task_rows(cfg.data.eval, tokenizer, limit)
         skipped += more
     return train, evals[: cfg.data.n_eval], skipped
 
@@ -405,8 +411,9 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     run_dir = _run_dir(cfg, resume)
     model_dir = Path(cfg.run.model)
     tokenizer = load_tokenizer(model_dir)
-    check_tokenizer_fits(tokenizer, load_config(model_dir), model_dir)
-    train_rows, eval_rows, skipped = _datasets(cfg, tokenizer)
+    model_cfg = load_config(model_dir)
+    check_tokenizer_fits(tokenizer, model_cfg, model_dir)
+    train_rows, eval_rows, skipped = _datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings))
     prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
     if prompts < workers.world:
         raise ConfigError(f"run.workers: {workers.world} workers but only {prompts} prompts per step "
@@ -503,12 +510,15 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
             record_resume(s.run_dir, s.step, to_dict(cfg), changes, log)
         s.history = keep_metrics_before(s.run_dir / "metrics.jsonl", s.step, log)
     if s.skipped_prompts:
-        log(f"skipped {s.skipped_prompts} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+        limit = prompt_limit(cfg, s.model.config.max_position_embeddings)
+        log(f"skipped {s.skipped_prompts} prompts longer than {limit} tokens (data.max_prompt_tokens="
+            f"{cfg.data.max_prompt_tokens}, or the model's context less one token)")
     t0 = time.perf_counter()
     out, reported = None, set()
     with StopRequest(log) as stop:
         try:
-            if s.step == 0 and cfg.run.eval_every:
+            evaluates = cfg.run.eval_every and s.eval_rows
+            if s.step == 0 and evaluates:
                 s.eval_at_start = evaluate_greedy(s)
             w.barrier()  # start the first step together, so its timeline compares workers
             out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console) if w.is_main else None
@@ -518,7 +528,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                 except StepAborted as e:  # raised before the step changed any weights
                     raise TrainingError(f"{e}; {_save_before_stopping(s)}") from None
                 s.step += 1
-                if cfg.run.eval_every and (s.step % cfg.run.eval_every == 0 or s.step == cfg.run.steps):
+                if evaluates and (s.step % cfg.run.eval_every == 0 or s.step == cfg.run.steps):
                     row["eval_accuracy"] = evaluate_greedy(s)
                 s.history.append(row)
                 if out is not None:

@@ -23,12 +23,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tailtamer.errors import ConfigError, DataError
+from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.transformer import KVCache, Transformer
 from tailtamer.rollout.sampling import SamplingParams, request_key, sample, target_probs, uniforms
 from tailtamer.rollout.speculative import Strategy, accept
 from tailtamer.rollout.speculator import Speculator
 from tailtamer.rollout.stats import PHASES, RolloutStats
+
+
+class NonFiniteLogits(TailtamerError):
+    """The model's output is NaN or inf: there is nothing to sample from."""
 
 
 @dataclass(frozen=True)
@@ -187,12 +191,22 @@ class Engine:
     def _draw(self, requests: list[Request], logits: torch.Tensor, params: SamplingParams,
               indices: torch.Tensor) -> torch.Tensor:
         """The tokens the target samples from logits (B, q, V), position (b, i) with the
-        request's uniform number indices[b, i] (the response index that draw would emit)."""
+        request's uniform number indices[b, i] (the response index that draw would emit);
+        -1 where the logits are not finite (see `_checked`)."""
         if params.greedy:
-            return logits.argmax(-1)
-        rows = torch.tensor([r.row for r in requests], device=logits.device)[:, None]
-        u = self._uniforms[rows, indices.clamp(max=self._uniforms.shape[1] - 1)]
-        return sample(target_probs(logits, params), u)
+            tokens = logits.argmax(-1)
+        else:
+            rows = torch.tensor([r.row for r in requests], device=logits.device)[:, None]
+            u = self._uniforms[rows, indices.clamp(max=self._uniforms.shape[1] - 1)]
+            tokens = sample(target_probs(logits, params), u)
+        return torch.where(torch.isfinite(logits.sum(-1)), tokens, -1)
+
+    @staticmethod
+    def _checked(tokens: list[int]) -> list[int]:
+        if min(tokens) < 0:
+            raise NonFiniteLogits("the model produced non-finite logits (NaN or inf): its weights, or config.json "
+                                  "values such as rms_norm_eps or rope_theta, make it diverge")
+        return tokens
 
     def _decode_one(self, running: list[Request], cache: KVCache, params: SamplingParams) -> None:
         """A plain decode step; with a proposer that wants them, the target's features of the
@@ -210,7 +224,7 @@ class Engine:
         if self.proposer is not None and self.proposer.needs_hidden:
             self.proposer.observe(slice(0, B), starts[:, None], hidden, tokens)
             PHASES.mark("plain: drafter observe")
-        for r, token in zip(running, tokens[:, 0].tolist()):
+        for r, token in zip(running, self._checked(tokens[:, 0].tolist())):
             r.cached += 1
             self._append(r, token, params)
 
@@ -272,7 +286,7 @@ class Engine:
             slots = torch.tensor([r.slot for r in admitted], device=device)
             self.proposer.observe(slots, torch.arange(width, device=device).expand(len(admitted), width),
                                   hidden[rows], after)
-        for r, token in zip(admitted, first.tolist()):
+        for r, token in zip(admitted, self._checked(first.tolist())):
             self._append(r, token, params)
 
     def _speculate(self, running: list[Request], cache: KVCache, params: SamplingParams,
@@ -302,7 +316,7 @@ class Engine:
         drafted = (tree.valid.sum(1) - 1).tolist()
         for r, n, toks, nodes, d in zip(running, length.tolist(), tokens.tolist(), path.tolist(), drafted):
             before = len(r.output_ids)
-            for token in toks[:n]:
+            for token in self._checked(toks[:n]):
                 self._append(r, token, params)
                 if r.finish_reason:
                     break

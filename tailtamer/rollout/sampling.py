@@ -53,7 +53,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    logits = logits / params.temperature
+    # softmax is shift-invariant: shifted by the max, the top logit is 0 and the rest go to -inf
+    # as T -> 0 (the argmax, as it should), even where T underflows to 0 in float32
+    shifted = logits - logits.amax(-1, keepdim=True)
+    logits = torch.where(shifted == 0, shifted, shifted / params.temperature)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -61,7 +64,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
-        sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)
+        drop = mass_before >= params.top_p
+        drop[..., 0] = False  # the most likely token always stays (top_p may round to 0 in float32)
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
@@ -104,9 +109,11 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def sample(probs: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
     """One token per distribution in probs (..., V) by inverse CDF with the uniforms u (...):
     the first token whose cumulative probability reaches u (token k has chance p_k, and a
-    token of probability 0 is never drawn). u = None: greedy, the argmax."""
+    token of probability 0 is never drawn); -1 for a distribution that is not finite.
+    u = None: greedy, the argmax."""
     if u is None:
         return probs.argmax(-1)
     cdf = probs.double().cumsum(-1)
-    target = (u * cdf[..., -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    total = cdf[..., -1]
+    tokens = torch.searchsorted(cdf, (u * total).unsqueeze(-1)).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    return torch.where(torch.isfinite(total), tokens, -1)  # -1: nothing to sample from (NaN)

@@ -62,7 +62,7 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         parts = str(text).split("_")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts):
             raise ConfigError(f"strategy {text!r} is not DEPTH_TOPK_VERIFY (e.g. 4_2_8)")
         return cls(*map(int, parts))
 

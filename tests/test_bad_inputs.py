@@ -1,0 +1,343 @@
+"""Bad input found by probing the CLI as a user would: each case ends in one clear line (exit 2)
+or is handled, never a traceback, a silently wrong result or an overwritten file."""
+
+import json
+import os
+import shutil
+import stat
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tailtamer.cli import main
+from tailtamer.config import load_train_config
+from tailtamer.errors import CheckpointError, ConfigError, DataError
+from tailtamer.rl.trainer import train
+from conftest import write_jsonl
+
+
+def _one_line_error(capsys, message: str, code: int) -> str:
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert message in err, err
+    return err
+
+
+def _prompts(tmp_path, rows=({"prompt": "ab", "answer": "1"},)):
+    return write_jsonl(tmp_path / "p.jsonl", list(rows))
+
+
+# --- outputs never overwrite inputs ---------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["out-is-prompts", "out-in-model", "stats-is-out", "stats-unwritable"])
+def test_generate_never_writes_over_its_inputs(model_dir, tmp_path, capsys, case):
+    prompts = _prompts(tmp_path)
+    before = prompts.read_text(), (model_dir / "config.json").read_text()
+    out = {"out-is-prompts": prompts, "out-in-model": model_dir / "config.json"}.get(case, tmp_path / "o.jsonl")
+    extra = {"stats-is-out": ["--stats", str(out)], "stats-unwritable": ["--stats", "/proc/nope/s.json"]}.get(case, [])
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), *extra])
+    message = {"out-is-prompts": "would overwrite --prompts", "out-in-model": "would overwrite --model",
+               "stats-is-out": "would overwrite --out", "stats-unwritable": "cannot write there"}[case]
+    _one_line_error(capsys, message, code)
+    assert (prompts.read_text(), (model_dir / "config.json").read_text()) == before
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_demo_never_writes_into_another_directory(tmp_path, capsys):
+    other = tmp_path / "run"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("{}\n")
+    _one_line_error(capsys, "already exists and is not empty", main(["demo", "--out", str(other)]))
+    (tmp_path / "f").write_text("x")
+    _one_line_error(capsys, "is a file", main(["demo", "--out", str(tmp_path / "f")]))
+
+
+def test_outputs_are_readable_by_others(model_dir, tmp_path):
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out", str(out),
+                 "--max-new-tokens", "2"]) == 0
+    assert stat.S_IMODE(out.stat().st_mode) & 0o044 == 0o044 & ~_umask()
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# --- configs ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rl.overlong=penalty", "rollout.max_new_tokens=8"], "rl.overlong_buffer (64) must be below rollout.max_new_tokens"),
+    (["rl.reward_timeout_s=1e7"], "rl.reward_timeout_s must be <= 86400"),
+    (["run.dist_timeout_s=1e300"], "run.dist_timeout_s must be <= 604800"),
+    (["run.name=../escape"], "run.name must be a plain directory name"),
+    (["run.name=a/b"], "run.name must be a plain directory name"),
+    (["run.name=."], "run.name must be a plain directory name"),
+    (["spec.strategy=²_1_2"], "spec.strategy"),
+])
+def test_more_bad_configs(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_train_config(None, overrides)
+
+
+@pytest.mark.parametrize("text", ["rl: {lr: 1e-5}\nrl: {clip_low: 0.1}\n", "rl:\n  lr: 1e-5\n  lr: 2e-5\n"])
+def test_a_key_given_twice_is_an_error_not_a_silent_drop(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="duplicate key"):
+        load_train_config(path)
+
+
+def test_yaml_errors_are_one_line(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_train_config(None, ["rl.lr=["])
+    assert len(str(e.value).splitlines()) == 1
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"rl:\n  lr: \xff\n")
+    with pytest.raises(ConfigError, match="not valid UTF-8"):
+        load_train_config(path)
+
+
+def test_usage_errors_are_one_line(capsys):
+    code = None
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", "m", "--prompts", "p", "--out", "o", "--n", "abc"])
+    code = e.value.code
+    _one_line_error(capsys, "--n: invalid int value", code)
+    with pytest.raises(SystemExit) as e:
+        main(["init-model", "--preset", "tiny", "--out", "x", "--seed", "9" * 20])
+    _one_line_error(capsys, "--seed: invalid seed value", e.value.code)
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+def test_whole_float_answers_are_integers_and_missing_ones_are_errors(tmp_path):
+    pd = pytest.importorskip("pandas")
+    from tailtamer.model.tokenizer import char_tokenizer
+    from tailtamer.rl.data import load_task_rows
+
+    path = tmp_path / "d.parquet"
+    pd.DataFrame({"prompt": ["a", "b", "c"], "answer": [57, 14, 3]}).astype({"answer": float}).to_parquet(path)
+    rows, _ = load_task_rows(path, char_tokenizer(), 64)
+    assert [r["answer"] for r in rows] == ["57", "14", "3"]  # not '57.0', which no reward would match
+    frame = pd.DataFrame({"prompt": ["a", "b"], "answer": [57, None]})
+    frame.to_parquet(path)
+    with pytest.raises(DataError, match=r"d\.parquet:2: field 'answer' is nan"):
+        load_task_rows(path, char_tokenizer(), 64)
+
+
+@pytest.mark.parametrize("answer,message", [([1, 2], "must be a string or a number, got list"),
+                                            (True, "must be a string or a number, got bool"), ("  ", "is empty"),
+                                            ({"a": 1}, "must be a string or a number, got dict")])
+def test_bad_answers_name_file_and_row(tmp_path, answer, message):
+    from tailtamer.model.tokenizer import char_tokenizer
+    from tailtamer.rl.data import load_task_rows
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": answer}])
+    with pytest.raises(DataError, match=f"d.jsonl:2: field 'answer' {message}"):
+        load_task_rows(path, char_tokenizer(), 64)
+
+
+@pytest.mark.parametrize("line,message", [('{"prompt": "\\ud800"}', "the prompt is not valid Unicode"),
+                                          ("[" * 100_000, "JSON nested too deeply")])
+def test_unusable_prompt_rows(model_dir, tmp_path, capsys, line, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n' + line + "\n")
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(path), "--out", str(tmp_path / "o.jsonl")])
+    _one_line_error(capsys, f"p.jsonl:2: {message}", code)
+
+
+def test_a_broken_chat_template_names_the_row(model_dir, tmp_path, capsys):
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0].content / 0 }}"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")])
+    _one_line_error(capsys, "p.jsonl:1: chat template error", code)
+
+
+def test_named_chat_templates_and_checked_tokenizer_config(model_dir):
+    from tailtamer.model.tokenizer import load_tokenizer
+
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    assert load_tokenizer(model_dir).chat_template == "D"
+    for bad in ([1, 2], {**config, "eos_token": 5}):
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+            load_tokenizer(model_dir)
+
+
+def test_a_prompt_longer_than_the_context_is_skipped_at_start_up(toy, tmp_path):
+    data = write_jsonl(tmp_path / "long.jsonl", [{"prompt": p, "answer": "0"} for p in ["ab", "cd", "ef", "gh"]]
+                       + [{"prompt": "1" * 300, "answer": "1"}])  # the test model's context is 256
+    lines = []
+    summary = train(load_train_config(None, toy + [f"data.train={data}", "data.max_prompt_tokens=2000",
+                                                   "run.steps=2", "run.name=long"]), log=lines.append)
+    assert summary["skipped_prompts"] == 1 and any("longer than 255 tokens" in line for line in lines)
+
+
+# --- model and drafter directories ----------------------------------------------------------------
+
+def _edit_config(model_dir, **changes):
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"eos_token_id": 100000}, "must be token ids"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be a finite number > 0"),
+    ({"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_theta must be a finite"),
+    ({"architectures": [["Qwen2ForCausalLM"]]}, "architectures must be a list of names"),
+    ({"vocab_size": 10 ** 30}, "vocab_size must be a positive integer below 2**31"),
+    ({"num_hidden_layers": 10 ** 7}, "num_hidden_layers is 10000000 but model.safetensors holds 2 layer(s)"),
+    ({"num_hidden_layers": 1}, "num_hidden_layers is 1 but model.safetensors holds 2 layer(s)"),
+])
+def test_config_json_values_that_would_run_wrong_or_hang(model_dir, changes, message):
+    from tailtamer.model.io import load_model
+
+    _edit_config(model_dir, **changes)
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        load_model(model_dir)
+
+
+def test_tensors_the_config_does_not_describe_are_refused(model_dir):
+    from tailtamer.model.io import load_model
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors["model.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="1 tensor\\(s\\) the config does not describe: extra.weight"):
+        load_model(model_dir)
+
+
+@pytest.mark.parametrize("index", [[], {"weight_map": []}, {"weight_map": {"a": ["x"]}}, {"weight_map": {"a": "../x"}}])
+def test_bad_sharded_indexes(model_dir, index):
+    from tailtamer.model.io import load_model
+
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="index.json"):
+        load_model(model_dir)
+
+
+@pytest.mark.parametrize("changes,message", [({"num_hidden_layers": 3}, "num_hidden_layers 1"),
+                                             ({"rope_theta": 5.0}, "rope_theta"),
+                                             ({"architectures": ["LlamaForCausalLMEagle"]}, "architecture")])
+def test_drafters_made_for_something_else_are_refused(model_dir, tmp_path, changes, message):
+    from tailtamer.model.drafter import init_drafter, load_drafter, save_drafter
+    from tailtamer.model.io import load_model
+
+    target = load_model(model_dir)
+    save_drafter(init_drafter(target), tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config.update(changes)
+    if "rope_theta" in changes:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": changes["rope_theta"]}
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_drafter(tmp_path / "d", target)
+
+
+def test_non_finite_drafters_are_neither_written_nor_loaded(model_dir, tmp_path, capsys):
+    from tailtamer.model.drafter import init_drafter, load_drafter, save_drafter
+    from tailtamer.model.io import load_model
+
+    texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world 1+2=3"}])
+    for lr, message in (("inf", "lr must be a finite number > 0"), ("0", "lr must be a finite number > 0"),
+                        ("-1", "lr must be a finite number > 0")):
+        code = main(["drafter", "train", "--model", str(model_dir), "--data", str(texts), "--out", str(tmp_path / "o"),
+                     "--steps", "3", "--lr", lr])
+        _one_line_error(capsys, message, code)
+        assert not (tmp_path / "o" / "model.safetensors").exists()
+    target = load_model(model_dir)
+    drafter = init_drafter(target)
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] = float("nan")
+    save_drafter(drafter, tmp_path / "nan")
+    with pytest.raises(CheckpointError, match="non-finite values"):
+        load_drafter(tmp_path / "nan", target)
+
+
+def test_non_finite_logits_stop_generation_with_a_clear_error(model_dir, tmp_path, capsys):
+    """Weights that are finite but overflow (a huge norm scale) give NaN logits: an error, not
+    a token sampled from garbage."""
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], 3e38)
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    for temperature in ("1", "0"):
+        code = main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)),
+                     "--out", str(tmp_path / "o.jsonl"), "--temperature", temperature])
+        _one_line_error(capsys, "non-finite logits", code)
+
+
+def test_a_tiny_temperature_samples_the_argmax(model_dir, tmp_path):
+    out = tmp_path / "o.jsonl"
+    tokens = []
+    for temperature in ("1e-300", "0"):
+        assert main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out", str(out),
+                     "--max-new-tokens", "6", "--temperature", temperature, "--top-p", "1e-300"]) == 0
+        tokens.append(json.loads(out.read_text())["token_ids"])
+    assert tokens[0] == tokens[1]
+
+
+# --- runs -----------------------------------------------------------------------------------------
+
+def test_an_empty_resume_path_is_an_error(capsys):
+    _one_line_error(capsys, "--resume: empty path", main(["train", "--resume", ""]))
+
+
+def test_a_run_that_fails_in_its_first_step_leaves_no_directory(toy, tmp_path):
+    reward = tmp_path / "boom.py"
+    reward.write_text("def boom(response, answer):\n    raise RuntimeError('no')\n")
+    with pytest.raises(Exception, match="every reward of step 1 failed"):
+        train(load_train_config(None, toy + [f"rl.reward={reward}:boom", "run.name=dead"]), log=lambda _: None)
+    assert not (tmp_path / "runs" / "dead").exists()
+    train(load_train_config(None, toy + ["run.name=dead", "run.steps=1"]), log=lambda _: None)  # the name is free
+
+
+@pytest.mark.parametrize("latest,state,message", [
+    (b"\xff\xfe", None, "expected the name of a checkpoint of this run"),
+    (b"../../other/checkpoints/step-000002", None, "expected the name of a checkpoint of this run"),
+    (None, {"step": "2"}, "step must be an integer >= 0"),
+    (None, {"step": -3}, "step must be an integer >= 0"),
+])
+def test_tampered_checkpoints_are_refused_on_resume(toy, tmp_path, latest, state, message):
+    train(load_train_config(None, toy + ["run.name=t", "run.steps=1"]), log=lambda _: None)
+    run = tmp_path / "runs" / "t"
+    if latest is not None:
+        (run / "checkpoints" / "latest").write_bytes(latest)
+    if state is not None:
+        (run / "checkpoints" / "step-000001" / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=message):
+        train(load_train_config(run / "config.yaml", ["run.steps=2"]), resume=run, log=lambda _: None)
+
+
+def test_a_run_without_held_out_prompts_writes_no_nan(toy, tmp_path):
+    summary = train(load_train_config(None, toy + ["run.name=noeval", "run.steps=2", "run.eval_every=1"]),
+                    log=lambda _: None)
+    text = (tmp_path / "runs" / "noeval" / "metrics.jsonl").read_text() + json.dumps(summary)
+    assert "NaN" not in text and summary["eval_accuracy_start"] is None
+
+
+# --- rewards ------------------------------------------------------------------------------------------
+
+def test_a_reward_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    from tailtamer.rl.rewards import RewardScorer
+
+    (tmp_path / "myreward.py").write_text("def f(response, answer):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    assert RewardScorer("myreward:f").score("a", "b") == 1.0
+
+
+@pytest.mark.parametrize("body", ["raise KeyboardInterrupt", "import sys; sys.exit(3)"])
+def test_a_reward_module_that_stops_on_import_is_a_startup_error(tmp_path, body):
+    from tailtamer.rl.rewards import RewardScorer
+
+    (tmp_path / "bad.py").write_text(body + "\ndef f(r, a):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match="cannot (load|import)"):
+        RewardScorer(f"{tmp_path / 'bad.py'}:f")
+    shutil.rmtree(tmp_path, ignore_errors=True)
