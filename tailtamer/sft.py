@@ -172,9 +172,13 @@ def ensure_base_model(cfg: SFTConfig = SFTConfig(), log: Callable[[str], None] =
     target = cache_root() / f"base-{cfg.preset}-{cfg.key()}"
     if (target / "sft.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as e:
+        raise ConfigError(f"cannot write the base model into {target.parent} ({e.strerror or e}); set {CACHE_ENV} "
+                          f"to a writable directory") from None
     log(f"training the base model into {target} (cached for later runs)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         train_sft(cfg, tmp, log)
         if target.exists():  # another process finished first
