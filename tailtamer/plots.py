@@ -84,8 +84,8 @@ def plot_rl_curves(history: list[dict], path: str | Path, eval_at_start: float |
     return path
 
 
-PHASE_COLORS = {"rollout": "tab:blue", "spot": "tab:orange", "wait": "lightgray", "update": "tab:green",
-                "publish": "tab:purple"}
+PHASE_COLORS = {"rollout": "tab:blue", "spot": "tab:orange", "wait": "lightgray", "rewards": "tab:olive",
+                "old_logprobs": "tab:cyan", "update": "tab:green", "publish": "tab:purple", "check": "tab:brown"}
 
 
 def plot_worker_timeline(row: dict, path: str | Path) -> Path:

@@ -14,7 +14,8 @@ from tailtamer.config import load_train_config
 from tailtamer.rl.batching import response_batch
 from tailtamer.rl.trainer import train
 
-TIME_FIELDS = {"rollout_s", "train_s", "step_s", "idle_worker_s", "drafter_train_s", "drafter_preempt_s", "timeline"}
+TIME_FIELDS = {"rollout_s", "rollout_tail_s", "train_s", "step_s", "idle_worker_s", "drafter_train_s", "drafter_preempt_s",
+               "timeline"}
 
 
 def _rows(run_dir: Path):
@@ -217,7 +218,8 @@ def test_adaptive_drafter_trains_in_the_window_and_is_checkpointed(toy, model_di
     start_sha = weights_checksum(load_drafter(drafter_dir, load_model(model_dir)))
     cfg = load_train_config(None, toy + ["run.steps=3", "run.name=spot", "run.save_every=3", "spec.mode=on",
                                          f"spec.drafter={drafter_dir}", "spec.strategy=2_1_3",
-                                         "drafter.window_s=0.5", "drafter.max_steps=3", "drafter.tokens_per_step=64"])
+                                         "drafter.single_worker=window", "drafter.window_s=0.5", "drafter.max_steps=3",
+                                         "drafter.tokens_per_step=64"])
     train(cfg, log=lambda _: None, console=lambda _: None)
     rows = _rows(tmp_path / "runs" / "spot")
     assert all(r["drafter_steps"] == 3 and r["drafter_loss"] > 0 for r in rows)
@@ -237,7 +239,7 @@ def test_drafter_window_never_leaves_the_drafter_as_it_was(toy, model_dir, tmp_p
                                          "spec.strategy=2_1_3", "drafter.single_worker=never"])
     train(cfg, log=lambda _: None, console=lambda _: None)
     rows = _rows(tmp_path / "runs" / "never")
-    assert [r["drafter_steps"] for r in rows] == [0, 0] and rows[0]["drafter_sha"] == rows[1]["drafter_sha"]
+    assert "drafter_steps" not in rows[0] and rows[0]["drafter_sha"] == rows[1]["drafter_sha"]
 
 
 def test_the_drafter_learns_from_every_response_whatever_the_policy_loss_keeps(toy, model_dir, tmp_path):
@@ -254,10 +256,11 @@ def test_the_drafter_learns_from_every_response_whatever_the_policy_loss_keeps(t
     zero.write_text("def zero(response, answer):\n    return 0.0\n")
     for extra in (["rl.overlong=mask"], ["rl.dynamic_sampling=true", f"rl.reward={zero}:zero"]):
         cfg = load_train_config(None, toy + extra + ["spec.mode=on", f"spec.drafter={drafter_dir}",
-                                                     "spec.strategy=4_2_8", "drafter.window_s=0"])
+                                                     "spec.strategy=4_2_8", "drafter.single_worker=window",
+                                                     "drafter.window_s=0"])
         s = setup(prepare(cfg), log=lambda _: None)
         row = rl_step(s)
         assert row["kept_groups_frac"] < 0.5, extra
-        assert len([e for e in s.spot.buffer.entries if e.step == 0]) == 4 * 8, extra
+        assert len([e for e in s.drafter.buffer.entries if e.step == 0]) == 4 * 8, extra
         assert row["accept_len_est"] >= 1.0
         s.scorer.close()

@@ -84,14 +84,19 @@ class DataBuffer:
         self.entries.append(entry)
         self.nbytes += entry.nbytes
 
+    def newest(self) -> list[Entry]:
+        """The entries of the newest step."""
+        if not self.entries:
+            return []
+        return [e for e in self.entries if e.step == self.entries[-1].step]
+
     def candidates(self, long_quantile: float = 0.5) -> list[Entry]:
         """One-step-offset pool: every entry of the newest step, plus the entries of the step
         before whose response length is at least that step's `long_quantile` quantile."""
-        if not self.entries:
+        current = self.newest()
+        if not current:
             return []
-        newest = self.entries[-1].step
-        current = [e for e in self.entries if e.step == newest]
-        previous = [e for e in self.entries if e.step == newest - 1]
+        previous = [e for e in self.entries if e.step == current[0].step - 1]
         if previous:
             lengths = sorted(e.response_len for e in previous)
             cut = lengths[min(len(lengths) - 1, int(long_quantile * len(lengths)))]

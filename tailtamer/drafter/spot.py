@@ -29,14 +29,15 @@ from tailtamer.model.drafter import Drafter, drafter_tensors, write_drafter
 @dataclass(frozen=True)
 class SpotConfig:
     train: bool = f(True, "train the EAGLE drafter online (needs spec.drafter = an EAGLE drafter directory)")
-    single_worker: str = f("window", "with one worker: never, or window (train for window_s after each rollout)")
+    single_worker: str = f("never", "with one worker: never, or window (train for window_s after each update, "
+                                    "which lengthens every step: one worker has no idle time)")
     window_s: float = f(2.0, "single worker: seconds of drafter training after each rollout")
     max_steps: int = f(200, "drafter steps per RL step at most")
     lr: float = f(5e-4, "AdamW learning rate of the drafter")
-    tokens_per_step: int = f(2048, "packed tokens per drafter step")
+    tokens_per_step: int = f(512, "packed tokens per drafter step (a step is the preemption latency)")
     buffer_mb: int = f(256, "DataBuffer budget (MiB); the oldest entries are dropped beyond it")
     long_quantile: float = f(0.5, "one-step offset: previous-step responses at least this length quantile")
-    compare_frozen: bool = f(True, "also estimate the warm-up drafter's accept length on each step's fresh data")
+    compare_frozen: bool = f(True, "also score the warm-up drafter on each step's fresh data (in idle time)")
 
     def __post_init__(self):
         if self.single_worker not in ("never", "window"):

@@ -20,7 +20,6 @@ import os
 import random
 import statistics
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -30,12 +29,10 @@ import yaml
 from tailtamer.atomic import atomic_write_json, atomic_write_text
 from tailtamer.config import TrainConfig, to_dict
 from tailtamer.dist import Workers, resolve_workers, spawn
-from tailtamer.drafter.buffer import DataBuffer
-from tailtamer.drafter.estimate import estimate_accept_length
-from tailtamer.drafter.spot import SpotTrainer
+from tailtamer.drafter.adaptive import AdaptiveDrafter
 from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.metrics import RunLog, check_loggers, run_summary
-from tailtamer.model.drafter import Drafter, load_drafter, save_drafter, weights_checksum
+from tailtamer.model.drafter import load_drafter, weights_checksum
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
@@ -45,11 +42,11 @@ from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_che
 from tailtamer.rl.data import load_task_rows
 from tailtamer.rl.rewards import RewardScorer, merge_failures
 from tailtamer.rl.run_dir import DEFAULT_NAME, claim_run_dir, keep_metrics_before, record_resume, resume_changes
+from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.speculator import make_speculator
-from tailtamer.rollout.stats import mean_accept_len
 from tailtamer.stopping import Interrupted, StopRequest
 
 
@@ -96,8 +93,7 @@ class RunState:
     eval_rows: list[dict]
     workers: Workers = field(default_factory=Workers)
     ref_model: torch.nn.Module | None = None
-    spot: SpotTrainer | None = None  # the adaptive drafter's trainer, when one will train it
-    frozen: Drafter | None = None  # the warm-up drafter, kept to compare accept lengths
+    drafter: AdaptiveDrafter | None = None  # the adaptive drafter, when one is trained
     step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint
     bad_steps: int = 0
@@ -108,7 +104,7 @@ class RunState:
 
 def rl_step(s: RunState) -> dict:
     cfg, roll, rl, w = s.cfg, s.cfg.rollout, s.cfg.rl, s.workers
-    t_step, wall_start = time.perf_counter(), time.time()
+    clock = StepClock()
 
     # 1. Rollout: group_size samples for each of prompts_per_step prompts; this worker
     #    generates a contiguous shard of the prompts, each from its global sampling stream.
@@ -120,18 +116,19 @@ def rl_step(s: RunState) -> dict:
     s.model.eval()
     w.set_state("BUSY")
     completions, rollout = s.engine.generate([row["prompt_ids"] for row in batch], params, first_index=lo)
-    wall_rollout = time.time()
+    clock.mark("rollout")
     w.finish_rollout(s.step)
 
-    # 2. Idle time: until the last shard is done, train the drafter on the buffer (data of
-    #    earlier steps); the trainer checks the store before every drafter step.
-    drafter = {"steps": 0, "seconds": 0.0, "loss": None}
-    if s.spot is not None and w.world > 1:
+    # 2. Idle time: until the last shard is done, the drafter scores itself on the newest
+    #    responses and trains on the buffer; it checks the store before every drafter step.
+    drafter = None
+    if s.drafter is not None and w.world > 1 and not w.rollout_over(s.step):
         w.set_state("TRAINING")
-        drafter = s.spot.train(lambda: w.rollout_over(s.step))
-    wall_spot = time.time()
+        drafter = s.drafter.train_while_idle(lambda: w.rollout_over(s.step))
+        clock.mark("spot")
     w.set_state("IDLE")
-    wall_all_done = w.wait_rollout(s.step)
+    last_rollout_end = w.wait_rollout(s.step)
+    clock.mark("wait")
 
     # 3. Rewards (a failing reward scores 0 and is counted; when every one fails the run
     #    stops here, before the update), with the optional overlong penalty.
@@ -150,48 +147,89 @@ def rl_step(s: RunState) -> dict:
         keep = grpo.informative_groups(rewards).repeat_interleave(roll.group_size)
     if rl.overlong == "mask":
         keep &= torch.tensor([c.finish_reason != "length" for c in completions], dtype=torch.bool)
+    clock.mark("rewards")
 
-    # 5. Old log-probs (and the reference's): one forward; its hidden states feed the drafter.
-    #    Workers first re-deal the samples so each holds about as many tokens.
-    t_train = time.perf_counter()
-    pad_id = s.tokenizer.pad_token_id or 0
-    ids, response_mask = response_batch(batch, completions, pad_id)
+    # 5. Old log-probs (and the reference's): one forward, whose hidden states feed the
+    #    drafter. Workers first re-deal the samples so each holds about as many tokens.
+    ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
     first = lo * roll.group_size
-    samples = w.rebalance(Samples(ids, response_mask, keep, advantages,
-                                  torch.arange(first, first + len(completions))), pad_id)
-    ids, advantages, loss_mask = samples.ids, samples.advantages, samples.loss_mask
+    samples = w.rebalance(Samples(ids, response_mask, keep, advantages, torch.arange(first, first + len(completions))),
+                          s.tokenizer.pad_token_id or 0)
     plan = update_plan(samples, len(prompts) * roll.group_size, rl.minibatches, rl.micro_batch_size,
                        rl.micro_batch_tokens, roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg],
                        torch.Generator().manual_seed(cfg.run.seed + s.step), w.sum)
-    old_logps, ref_logps = {}, {}
-    with torch.no_grad():
-        for micro in (m for minibatch in plan for m in minibatch):
-            mb_ids = ids[micro.rows, : micro.width]
-            logits, hidden = s.model(mb_ids)
-            if s.spot is not None:
-                # samples the loss keeps whole; the others (trimmed here) are added below
-                s.spot.buffer.add_batch(s.step, mb_ids, hidden, loss_mask[micro.rows, : micro.width - 1])
-            old_logps[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], roll.temperature)
-            if s.ref_model is not None:
-                ref_logits = s.ref_model(mb_ids)[0][:, :-1]
-                ref_logps[micro.key] = grpo.token_log_probs(ref_logits, mb_ids[:, 1:], roll.temperature)
-        if s.spot is not None:  # samples the policy loss dropped: the drafter still learns from them
-            dropped = (~samples.keep & samples.mask.any(1)).nonzero().flatten()
-            widths = needed_width(samples.mask[dropped]).tolist()
-            for chunk in token_budget_chunks(widths, rl.micro_batch_size, rl.micro_batch_tokens):
-                rows, width = dropped[chunk], max(widths[i] for i in chunk)
-                s.spot.buffer.add_batch(s.step, ids[rows, :width], s.model(ids[rows, :width])[1],
-                                        samples.mask[rows, : width - 1])
-    accept_est = accept_est_frozen = (1.0, 0)
-    fresh = [e for e in s.spot.buffer.entries if e.step == s.step] if s.frozen is not None else []
-    if fresh:  # both drafters on responses neither has trained on
-        depth = Strategy.parse(cfg.spec.strategy).depth
-        accept_est = estimate_accept_length(s.spot.drafter, fresh, depth, params)
-        accept_est_frozen = estimate_accept_length(s.frozen, fresh, depth, params)
+    old_logps, ref_logps = old_log_probs(s, samples, plan)
+    clock.mark("old_logprobs")
 
     # 6. Policy update: ppo_epochs passes, one optimizer step per minibatch; gradients are
     #    accumulated over its micro-batches and summed over workers (the token weights are
     #    normalised over all workers' samples, so the sum is the minibatch's exact gradient).
+    update = update_policy(s, samples, plan, old_logps, ref_logps)
+    clock.mark("update")
+
+    # 7. Drafter: with one worker, spot training runs in a window after the update (opt-in);
+    #    the drafters trained on idle workers are averaged into the one every engine runs.
+    if s.drafter is not None:
+        if w.world == 1 and cfg.drafter.single_worker == "window":
+            drafter = s.drafter.train_in_window()
+            clock.mark("spot")
+        s.drafter.publish(drafter["steps"] if drafter else 0)
+        clock.mark("publish")
+
+    # 8. Weight check: every engine runs the module its worker trained; compare what each
+    #    will run next with worker 0's, so a stale or diverged copy stops the run.
+    drafter_module = s.engine.proposer.drafter if s.engine.proposer is not None else None
+    checksums = (weights_checksum(s.model), weights_checksum(drafter_module) if drafter_module is not None else None)
+    check_same_weights(w.gather(checksums), s.step)
+    clock.mark("check")
+
+    # 9. Metrics: every worker's share, gathered and merged (identically on every worker).
+    summary = rollout.summary()
+    spot_end = clock.spans[-1][2] if drafter is None else next(b for n, _, b in clock.spans if n == "spot")
+    mine = {
+        "correct": correct.tolist(), "rewards": rewards.flatten().tolist(), "lengths": lengths.tolist(),
+        "truncated": sum(c.finish_reason == "length" for c in completions), "kept": keep.sum().item(),
+        "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
+        "accept_lens": rollout.accept_lens, "tail_s": rollout.tail_seconds(cfg.spec.bs_threshold or 4),
+        "rollout_end": clock.spans[0][2], "idle_s": max(0.0, last_rollout_end - clock.spans[0][2]),
+        "train_s": clock.seconds("old_logprobs", "update"), "drafter": drafter,
+        "preempt_s": max(0.0, spot_end - last_rollout_end) if drafter and drafter["steps"] and w.world > 1 else None,
+        "buffer_dropped": s.drafter.buffer.dropped if s.drafter is not None else 0,
+        "reward_failures": s.scorer.failures, "timeline": clock.spans,
+    }
+    return merge_step_metrics(w.gather(mine), s.step, update, checksums, s.drafter is not None)
+
+
+def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
+    """log π_old (and log π_ref) of every micro-batch's tokens, without gradients; the hidden
+    states go to the adaptive drafter, for every response (the policy loss may drop some)."""
+    temperature = s.cfg.rollout.temperature
+    ids, loss_mask = samples.ids, samples.loss_mask
+    old, ref = {}, {}
+    with torch.no_grad():
+        for micro in (m for minibatch in plan for m in minibatch):
+            mb_ids = ids[micro.rows, : micro.width]
+            logits, hidden = s.model(mb_ids)
+            if s.drafter is not None:  # samples the loss keeps whole; the others (trimmed here) below
+                s.drafter.observe(s.step, mb_ids, hidden, loss_mask[micro.rows, : micro.width - 1])
+            old[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
+            if s.ref_model is not None:
+                ref[micro.key] = grpo.token_log_probs(s.ref_model(mb_ids)[0][:, :-1], mb_ids[:, 1:], temperature)
+        if s.drafter is not None:
+            dropped = (~samples.keep & samples.mask.any(1)).nonzero().flatten()
+            widths = needed_width(samples.mask[dropped]).tolist()
+            rl = s.cfg.rl
+            for chunk in token_budget_chunks(widths, rl.micro_batch_size, rl.micro_batch_tokens):
+                rows, width = dropped[chunk], max(widths[i] for i in chunk)
+                s.drafter.observe(s.step, ids[rows, :width], s.model(ids[rows, :width])[1],
+                                  samples.mask[rows, : width - 1])
+    return old, ref
+
+
+def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logps: dict) -> dict:
+    """ppo_epochs passes over the minibatches of `plan`, one optimizer step each (PPO-clip with
+    clip-higher, optional KL and entropy terms); returns the step's update statistics."""
+    rl, w, temperature = s.cfg.rl, s.workers, s.cfg.rollout.temperature
     s.model.train()
     params_list = list(s.model.parameters())
     losses, kls, entropies, clip_fracs, grad_norms = [], [], [], [], []
@@ -200,18 +238,18 @@ def rl_step(s: RunState) -> dict:
             s.optimizer.zero_grad(set_to_none=True)
             totals = torch.zeros(5)  # loss, kl, entropy, clipped weight, weight
             for micro in minibatch:
-                mb_ids = ids[micro.rows, : micro.width]
+                mb_ids = samples.ids[micro.rows, : micro.width]
                 logits, _ = s.model(mb_ids)
-                logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], roll.temperature)
-                per_token, clipped = grpo.clipped_policy_loss(logp, old_logps[micro.key], advantages[micro.rows],
-                                                              rl.clip_low, rl.clip_high)
+                logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
+                per_token, clipped = grpo.clipped_policy_loss(logp, old_logps[micro.key],
+                                                              samples.advantages[micro.rows], rl.clip_low, rl.clip_high)
                 loss = (per_token * micro.weights).sum()
                 kl = entropy = torch.zeros(())
                 if s.ref_model is not None:
                     kl = (grpo.KL_ESTIMATORS[rl.kl_estimator](logp, ref_logps[micro.key]) * micro.weights).sum()
                     loss = loss + rl.kl_coef * kl
                 if rl.entropy_coef:
-                    entropy = (grpo.token_entropy(logits[:, :-1], roll.temperature) * micro.weights).sum()
+                    entropy = (grpo.token_entropy(logits[:, :-1], temperature) * micro.weights).sum()
                     loss = loss - rl.entropy_coef * entropy
                 loss.backward()
                 totals += torch.stack([loss.detach(), kl.detach(), entropy.detach(),
@@ -232,95 +270,10 @@ def rl_step(s: RunState) -> dict:
     if losses:
         s.bad_steps = 0
     s.model.eval()
-    train_s = time.perf_counter() - t_train
-
-    # 7. Drafter: with one worker, spot training runs in a bounded window after the update;
-    #    with several, the drafters trained on idle workers are averaged into one.
-    wall_window = time.time()
-    if s.spot is not None and w.world == 1:
-        drafter = s.spot.train(lambda: False, deadline=time.perf_counter() + cfg.drafter.window_s)
-    if s.spot is not None:
-        w.average_(s.spot.drafter, drafter["steps"])
-
-    # 8. Weight check: every engine runs the module its worker trained; compare what each
-    #    will run next with worker 0's, so a stale or diverged copy stops the run.
-    drafter_module = s.engine.proposer.drafter if s.engine.proposer is not None else None
-    weights = (weights_checksum(s.model), weights_checksum(drafter_module) if drafter_module is not None else None)
-    check_same_weights(w.gather(weights), s.step)
-    wall_end = time.time()
-
-    # 9. Metrics: this worker's share, gathered and merged (identically on every worker).
-    summary = rollout.summary()
-    wall_update = max(wall_spot, wall_all_done)
-    timeline = [("rollout", wall_start, wall_rollout),
-                ("spot" if drafter["steps"] and w.world > 1 else "wait", wall_rollout, wall_spot),
-                ("wait", wall_spot, wall_update), ("update", wall_update, wall_window),
-                ("spot" if w.world == 1 else "publish", wall_window, wall_end)]
-    mine = {
-        "correct": correct.tolist(), "rewards": rewards.flatten().tolist(), "lengths": lengths.tolist(),
-        "truncated": sum(c.finish_reason == "length" for c in completions), "kept": keep.sum().item(),
-        "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
-        "accept_lens": rollout.accept_lens, "drafter": drafter, "idle_s": wall_all_done - wall_rollout,
-        "preempt_s": max(0.0, wall_spot - wall_all_done) if drafter["steps"] else None,
-        "accept_est": accept_est, "accept_est_frozen": accept_est_frozen,
-        "timeline": [(name, a, b) for name, a, b in timeline if b > a], "reward_failures": s.scorer.failures,
-    }
-    parts = w.gather(mine)
-    every = lambda key: [x for p in parts for x in p[key]]  # noqa: E731
-    resp = every("lengths")
-    accept_lens = sum((Counter(p["accept_lens"]) for p in parts), Counter())
-    start = min(p["timeline"][0][1] for p in parts)
-    drafter_losses = [p["drafter"]["loss"] for p in parts if p["drafter"]["loss"] is not None]
-    preempts = [p["preempt_s"] for p in parts if p["preempt_s"] is not None]
-    return {
-        "step": s.step,
-        "reward_mean": statistics.mean(every("rewards")),
-        "accuracy": statistics.mean(every("correct")),
-        "response_len_mean": statistics.mean(resp),
-        "response_len_p50": statistics.median(resp),
-        "response_len_max": max(resp),
-        "truncated_frac": sum(p["truncated"] for p in parts) / len(resp),
-        "rollout_s": wall_all_done - start,
-        "train_s": train_s,
-        "step_s": time.perf_counter() - t_step,
-        "sd_tokens_frac": sum(p["sd_tokens"] for p in parts) / max(1, sum(p["tokens"] for p in parts)),
-        "accept_len_mean": mean_accept_len(accept_lens),
-        "accept_len_est": _weighted(parts, "accept_est"),
-        "accept_len_est_frozen": _weighted(parts, "accept_est_frozen") if s.frozen is not None else None,
-        "drafter_loss": statistics.mean(drafter_losses) if drafter_losses else None,
-        "drafter_train_s": sum(p["drafter"]["seconds"] for p in parts),
-        "drafter_steps": sum(p["drafter"]["steps"] for p in parts),
-        "drafter_preempt_s": max(preempts) if preempts else None,
-        "drafter_buffer_dropped": s.spot.buffer.dropped if s.spot is not None else 0,
-        "drafter_sha": weights[1],
-        "idle_worker_s": sum(p["idle_s"] for p in parts),
-        "workers": w.world,
-        "loss": statistics.mean(losses) if losses else None,
-        "kl": statistics.mean(kls) if kls and s.ref_model is not None else None,
-        "entropy": statistics.mean(entropies) if entropies and rl.entropy_coef else None,
-        "clip_frac": statistics.mean(clip_fracs) if clip_fracs else 0.0,
-        "grad_norm": statistics.mean(grad_norms) if grad_norms else None,
-        "lr": s.scheduler.get_last_lr()[0],
-        "kept_groups_frac": sum(p["kept"] for p in parts) / len(resp),
-        "skipped_updates": s.bad_steps,
-        **_failure_counts(merge_failures([p["reward_failures"] for p in parts])),
-        "weights_sha": weights[0],
-        "lengths": [int(x) for x in resp],
-        "timeline": [[r, name, round(a - start, 4), round(b - start, 4)]
-                     for r, p in enumerate(parts) for name, a, b in p["timeline"]],
-    }
-
-
-def _failure_counts(failures: dict) -> dict:
-    timeouts = failures.get("timeout", {}).get("count", 0)
-    return {"reward_errors": sum(e["count"] for e in failures.values()) - timeouts, "reward_timeouts": timeouts,
-            "reward_failures": failures}
-
-
-def _weighted(parts: list[dict], key: str) -> float:
-    """Mean of per-worker (value, count) pairs weighted by count."""
-    n = sum(p[key][1] for p in parts)
-    return sum(p[key][0] * p[key][1] for p in parts) / n if n else 1.0
+    mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731
+    return {"loss": mean(losses), "kl": mean(kls) if s.ref_model is not None else None,
+            "entropy": mean(entropies) if rl.entropy_coef else None, "clip_frac": mean(clip_fracs) or 0.0,
+            "grad_norm": mean(grad_norms), "lr": s.scheduler.get_last_lr()[0], "skipped_updates": s.bad_steps}
 
 
 def check_same_weights(checksums: list[tuple], step: int) -> None:
@@ -433,18 +386,18 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     ref_model = load_model(model_dir).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                     speculator=make_speculator(cfg.spec, model))
-    spot = frozen = None
-    # With one worker and no training window, nothing would fill a buffer.
+    adaptive = None
+    # With one worker and no training window there is no time to train the drafter in.
     trains = workers.world > 1 or cfg.drafter.single_worker == "window"
     if cfg.drafter.train and trains and engine.proposer is not None and engine.proposer.drafter is not None:
-        spot = SpotTrainer(engine.proposer.drafter, DataBuffer(cfg.drafter.buffer_mb << 20), cfg.drafter,
-                           cfg.run.seed * 1009 + workers.rank)
         if resume is not None and (checkpoint / "drafter").is_dir():
             engine.proposer.drafter.load_state_dict(load_drafter(checkpoint / "drafter", model).state_dict())
-        if cfg.drafter.compare_frozen:
-            frozen = load_drafter(cfg.spec.drafter, model)
+        frozen = load_drafter(cfg.spec.drafter, model) if cfg.drafter.compare_frozen else None
+        score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
+        adaptive = AdaptiveDrafter(engine.proposer.drafter, cfg.drafter, workers, cfg.run.seed * 1009 + workers.rank,
+                                   Strategy.parse(cfg.spec.strategy).depth, score, frozen)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
-                    workers, ref_model, spot, frozen, step=state["step"], skipped_prompts=skipped,
+                    workers, ref_model, adaptive, step=state["step"], skipped_prompts=skipped,
                     saved_step=state["step"] if resume is not None else None)
 
 
@@ -457,7 +410,7 @@ def _checkpoint(s: RunState) -> None:
     that fails (full disk, read-only directory) stops the run; the last good one stays."""
     if not s.workers.is_main:
         return
-    extra = None if s.spot is None else (lambda tmp: save_drafter(s.spot.drafter, tmp / "drafter"))
+    extra = None if s.drafter is None else (lambda tmp: s.drafter.save(tmp / "drafter"))
     try:
         save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, s.optimizer, s.scheduler,
                         {"weights_sha": weights_checksum(s.model)}, extra=extra)
@@ -542,8 +495,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                             reported.add(kind)
                             log(f"reward failure ({kind}) in step {s.step}: {entry['first']}; such samples score 0 "
                                 f"and are counted (reward_errors / reward_timeouts); the run goes on")
-                    if s.spot is not None:  # the newest published drafter, ready to serve, written in the background
-                        s.spot.checkpoint_async(s.run_dir / "drafter")
+                    if s.drafter is not None:  # the newest published drafter, ready to serve, written in the background
+                        s.drafter.checkpoint_async(s.run_dir / "drafter")
                 if s.bad_steps >= cfg.run.max_bad_steps > 0:
                     _checkpoint(s)
                     raise TrainingError(f"{s.bad_steps} non-finite losses in a row at step {s.step}; "
@@ -558,8 +511,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
         finally:
             if out is not None:
                 out.close()
-            if s.spot is not None:
-                s.spot.wait()
+            if s.drafter is not None:
+                s.drafter.wait()
             s.scorer.close()
     if not w.is_main:
         return None
@@ -572,7 +525,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
     if s.history:
         plot_rl_curves(s.history, s.run_dir / "curves.png", s.eval_at_start)
         plot_worker_timeline(s.history[-1], s.run_dir / "timeline.png")
-        if s.frozen is not None:
+        if s.drafter is not None and s.drafter.frozen is not None:
             plot_accept_lengths(s.history, s.run_dir / "drafter.png")
     return summary
 

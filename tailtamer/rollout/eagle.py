@@ -16,6 +16,26 @@ from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.stats import PHASES
 
 
+def eagle_chain(drafter, cache, batch: int, starts: torch.Tensor, root_logits: torch.Tensor,
+                root_hidden: torch.Tensor, pending: torch.Tensor, depth: int, max_start: int) -> Tree:
+    """A chain (strategy D_1_(D+1)): the drafter's top-1 token at each of `depth` levels. Level
+    d + 1 runs the pair (ĥ, d-th draft) at drafter row and position starts + d - 1, attending
+    causally to the committed rows and the chain's earlier levels, so it is a plain decode step
+    of the drafter: no tree mask, no beam bookkeeping."""
+    tokens = [pending, root_logits.argmax(-1)]
+    hidden = root_hidden[:, None]
+    for d in range(1, depth):
+        PHASES.mark("sd: draft tree bookkeeping")
+        logits, hidden = drafter.decode(tokens[-1][:, None], hidden, cache, slice(0, batch), starts + d - 1,
+                                        span=max_start + d)
+        PHASES.mark(f"sd: draft level {d + 1}")
+        tokens.append(logits[:, 0].argmax(-1))
+    dev = pending.device
+    return Tree(tokens=torch.stack(tokens, 1), parents=torch.arange(-1, depth, device=dev).expand(batch, -1),
+                depths=torch.arange(depth + 1, device=dev).expand(batch, -1),
+                valid=torch.ones(batch, depth + 1, dtype=torch.bool, device=dev), depth=depth, chain=True)
+
+
 def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: torch.Tensor,
                root_hidden: torch.Tensor, pending: torch.Tensor, strategy: Strategy, max_start: int) -> Tree:
     """EAGLE-2 style dynamic tree (Li et al. 2024b): expand the top-k beams by cumulative draft
@@ -156,5 +176,7 @@ class EagleProposer(Proposer):
     def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
         logits, out = self._extend(running, [r.cached for r in running])
         pending = self.next_tokens[torch.arange(len(running), device=starts.device), starts - 1]
-        return eagle_tree(self.drafter, self.cache, len(running), starts, logits, out, pending, strategy,
-                          max(r.cached for r in running))
+        B, top = len(running), max(r.cached for r in running)
+        if strategy.topk == 1:
+            return eagle_chain(self.drafter, self.cache, B, starts, logits, out, pending, strategy.depth, top)
+        return eagle_tree(self.drafter, self.cache, B, starts, logits, out, pending, strategy, top)

@@ -298,10 +298,10 @@ class Engine:
         starts = torch.tensor(cached, device=device)
         PHASES.mark("sd: host bookkeeping")
         tree = self.proposer.propose(running, starts, strategy)
-        mask = tree.attention_mask()
+        positions, mask = tree.verify_inputs(starts)
         PHASES.mark("sd: tree mask")
-        logits, hidden = self.model.decode(tree.tokens, cache, slice(0, B), starts, starts[:, None] + tree.depths,
-                                           mask, span=max(cached) + tree.tokens.shape[1])
+        logits, hidden = self.model.decode(tree.tokens, cache, slice(0, B), starts, positions, mask,
+                                           span=max(cached) + tree.tokens.shape[1])
         PHASES.mark("sd: verify (target forward)")
         emitted_at = torch.tensor([[len(r.output_ids)] for r in running], device=device) + tree.depths
         draws = self._draw(running, logits, params, emitted_at)

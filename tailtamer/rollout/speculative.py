@@ -78,9 +78,14 @@ class Tree:
     depths: torch.Tensor  # (B, N) long
     valid: torch.Tensor  # (B, N) bool
     depth: int  # the deepest node's depth (at most)
+    chain: bool = False  # node i is at depth i with parent i - 1: plain causal attention
 
-    def attention_mask(self) -> torch.Tensor:
-        return ancestor_mask(self.parents, self.depth)
+    def verify_inputs(self, starts: torch.Tensor):
+        """(rotary positions, tree mask) for the verify forward; None, None for a chain, whose
+        causal default the model applies with fewer operations."""
+        if self.chain:
+            return None, None
+        return starts[:, None] + self.depths, ancestor_mask(self.parents, self.depth)
 
 
 def ancestor_mask(parents: torch.Tensor, depth: int) -> torch.Tensor:

@@ -29,9 +29,11 @@ class RolloutStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (seconds, running, arm) per step
+    seconds_by_running: dict[int, float] = field(default_factory=dict)  # decode seconds by requests running
 
     def record_step(self, end: float, seconds: float, running: int, arm: str, tokens: int) -> None:
         self.decode_steps += 1
+        self.seconds_by_running[running] = self.seconds_by_running.get(running, 0.0) + seconds
         if arm == "plain":
             self.plain_seconds += seconds
         else:
@@ -50,6 +52,10 @@ class RolloutStats:
         self.accepted_tokens += emitted - 1
         for d in range(1, emitted):
             self.depth_accepts[d] = self.depth_accepts.get(d, 0) + 1
+
+    def tail_seconds(self, running: int) -> float:
+        """Decode time of the steps with at most `running` requests left: the long tail."""
+        return sum(s for n, s in self.seconds_by_running.items() if n <= running)
 
     @property
     def accept_len_mean(self) -> float:

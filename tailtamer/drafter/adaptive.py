@@ -1,0 +1,68 @@
+"""The adaptive drafter's part of the RL step (TLT §2.2), in one object.
+
+  observe(step, ids, hidden, mask)   the old-log-prob forward's hidden states go into the
+                                     DataBuffer (no extra forward);
+  train_while_idle(should_stop)      on a worker whose rollout shard is done: first score the
+                                     drafter (and a frozen copy of the warm-up drafter) on the
+                                     newest responses neither has trained on, then spot-train
+                                     until `should_stop()` (checked before every drafter step);
+  publish(steps)                     average the workers' drafters, weighted by the steps each
+                                     took, so every engine drafts with the same one next step.
+Everything else the drafter costs the step is a copy into the buffer and that average: the
+scoring and the training happen in time the rollout leaves idle.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from tailtamer.drafter.buffer import DataBuffer
+from tailtamer.drafter.estimate import estimate_accept_length
+from tailtamer.drafter.spot import SpotConfig, SpotTrainer
+from tailtamer.model.drafter import Drafter, save_drafter
+from tailtamer.rollout.sampling import SamplingParams
+
+
+class AdaptiveDrafter:
+    def __init__(self, drafter: Drafter, cfg: SpotConfig, workers, seed: int, depth: int,
+                 params: SamplingParams, frozen: Drafter | None = None):
+        self.drafter, self.cfg, self.workers = drafter, cfg, workers
+        self.buffer = DataBuffer(cfg.buffer_mb << 20)
+        self.trainer = SpotTrainer(drafter, self.buffer, cfg, seed)
+        self.frozen = frozen
+        self.depth, self.params = depth, params
+
+    def observe(self, step: int, ids: torch.Tensor, hidden: torch.Tensor, response_mask: torch.Tensor) -> None:
+        self.buffer.add_batch(step, ids, hidden, response_mask)
+
+    def train_while_idle(self, should_stop: Callable[[], bool], deadline: float | None = None) -> dict:
+        """Score on the newest buffered step (only if there is time: it is a metric), then
+        spot-train. Returns the trainer's report with `accept_est` / `accept_est_frozen` as
+        (value, weight) pairs (weight 0: not scored)."""
+        report = {"accept_est": (1.0, 0.0), "accept_est_frozen": (1.0, 0.0)}
+        fresh = self.buffer.newest()
+        if fresh and not should_stop():
+            report["accept_est"] = estimate_accept_length(self.drafter, fresh, self.depth, self.params, budget=1024)
+            if self.frozen is not None:
+                report["accept_est_frozen"] = estimate_accept_length(self.frozen, fresh, self.depth, self.params,
+                                                                     budget=1024)
+        return {**report, **self.trainer.train(should_stop, deadline)}
+
+    def train_in_window(self) -> dict:
+        """One worker has no idle time: train for `drafter.window_s` after the update instead."""
+        return self.train_while_idle(lambda: False, deadline=time.perf_counter() + self.cfg.window_s)
+
+    def publish(self, steps: int) -> None:
+        self.workers.average_(self.drafter, steps)
+
+    def save(self, out_dir) -> None:
+        save_drafter(self.drafter, out_dir)
+
+    def checkpoint_async(self, out_dir) -> None:
+        self.trainer.checkpoint_async(out_dir)
+
+    def wait(self) -> None:
+        self.trainer.wait()

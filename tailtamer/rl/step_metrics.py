@@ -1,0 +1,92 @@
+"""What an RL step reports: one clock for its phases, and every worker's share merged into the
+`metrics.jsonl` row (identically on every worker, from the gathered shares)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+
+from tailtamer.rl.rewards import merge_failures
+from tailtamer.rollout.stats import mean_accept_len
+
+
+class StepClock:
+    """The phases of one worker's step on the wall clock (comparable across workers):
+    `mark(name)` ends the phase called `name`, which began at the previous mark."""
+
+    def __init__(self):
+        self.start = self._last = time.time()
+        self.spans: list[tuple[str, float, float]] = []
+
+    def mark(self, name: str) -> float:
+        now = time.time()
+        self.spans.append((name, self._last, now))
+        self._last = now
+        return now
+
+    def seconds(self, *names: str) -> float:
+        return sum(b - a for name, a, b in self.spans if name in names)
+
+
+def weighted(pairs: list[tuple[float, float]]) -> float | None:
+    """Mean of (value, weight) pairs weighted by weight; None if no weight."""
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None
+
+
+def failure_counts(failures: dict) -> dict:
+    timeouts = failures.get("timeout", {}).get("count", 0)
+    return {"reward_errors": sum(e["count"] for e in failures.values()) - timeouts, "reward_timeouts": timeouts,
+            "reward_failures": failures}
+
+
+def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter: bool) -> dict:
+    """The row of step `step` from every worker's share (`parts`, as `rl_step` gathers them),
+    the update's statistics (the same on every worker) and the weights' checksums."""
+    every = lambda key: [x for p in parts for x in p[key]]  # noqa: E731
+    lengths = every("lengths")
+    start = min(p["timeline"][0][1] for p in parts)
+    rollout_end = max(p["rollout_end"] for p in parts)
+    row = {
+        "step": step,
+        "reward_mean": statistics.mean(every("rewards")),
+        "accuracy": statistics.mean(every("correct")),
+        "response_len_mean": statistics.mean(lengths),
+        "response_len_p50": statistics.median(lengths),
+        "response_len_max": max(lengths),
+        "truncated_frac": sum(p["truncated"] for p in parts) / len(lengths),
+        "rollout_s": rollout_end - start,
+        "rollout_tail_s": max(p["tail_s"] for p in parts),
+        "train_s": max(p["train_s"] for p in parts),
+        "step_s": max(p["timeline"][-1][2] for p in parts) - start,
+        "sd_tokens_frac": sum(p["sd_tokens"] for p in parts) / max(1, sum(p["tokens"] for p in parts)),
+        "accept_len_mean": mean_accept_len(sum((Counter(p["accept_lens"]) for p in parts), Counter())),
+        "idle_worker_s": sum(p["idle_s"] for p in parts),
+        "drafter_loss": None,
+        "drafter_train_s": 0.0,
+        "workers": len(parts),
+        **update,
+        "kept_groups_frac": sum(p["kept"] for p in parts) / len(lengths),
+        **failure_counts(merge_failures([p["reward_failures"] for p in parts])),
+        "weights_sha": checksums[0],
+        "lengths": [int(x) for x in lengths],
+        "timeline": [[r, name, round(a - start, 4), round(b - start, 4)]
+                     for r, p in enumerate(parts) for name, a, b in p["timeline"] if b > a],
+    }
+    if drafter:
+        reports = [p["drafter"] for p in parts if p["drafter"] is not None]
+        losses = [d["loss"] for d in reports if d["loss"] is not None]
+        preempts = [p["preempt_s"] for p in parts if p["preempt_s"] is not None]
+        row.update({
+            "accept_len_est": weighted([d["accept_est"] for d in reports]),
+            "accept_len_est_frozen": weighted([d["accept_est_frozen"] for d in reports]),
+            "drafter_loss": statistics.mean(losses) if losses else None,
+            "drafter_train_s": sum(d["seconds"] for d in reports),
+            "drafter_steps": sum(d["steps"] for d in reports),
+            "drafter_preempt_s": max(preempts) if preempts else None,
+            "drafter_buffer_dropped": sum(p["buffer_dropped"] for p in parts),
+        })
+    if checksums[1] is not None:
+        row["drafter_sha"] = checksums[1]
+    return row
