@@ -214,7 +214,11 @@ def cmd_bench(args) -> None:
     at_least_one(args.new_tokens, "--new-tokens")
     if args.out:
         output_file(args.out, "--out")
-    if args.what == "train":
+    if args.what == "profile":
+        from tailtamer.bench_profile import bench_profile
+
+        report = bench_profile(args.model, rl_steps=0 if args.model else args.steps, repeats=args.repeats)
+    elif args.what == "train":
         if args.model or args.preset:
             raise TailtamerError("bench train runs the built-in default job; change it with --set key=value")
         report = bench_train(args.steps, args.repeats, overrides=tuple(args.set))
@@ -320,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks; prints a JSON report of ratios")
-    b.add_argument("what", choices=["decode", "sd", "rollout", "train"])
+    b.add_argument("what", choices=["decode", "sd", "rollout", "train", "profile"])
     b.add_argument("--model", help="model directory (default: the built-in base model)")
     b.add_argument("--preset", help="benchmark a random model of this preset size instead")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")

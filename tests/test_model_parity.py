@@ -68,7 +68,7 @@ def test_consecutive_slots_as_a_slice_equal_slot_ids():
         with torch.no_grad():
             model.prefill(ids[:, :7], cache, slots)
             results.append(model.decode(ids[:, 7:], cache, slots, torch.full((3,), 7))[0])
-            assert cache.k[:, 0].abs().sum() == 0 and cache.k[:, 4].abs().sum() == 0  # other slots untouched
+            assert cache.kv[:, 0].abs().sum() == 0 and cache.kv[:, 4].abs().sum() == 0  # other slots untouched
     assert torch.equal(results[0], results[1])
 
 

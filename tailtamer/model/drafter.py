@@ -64,7 +64,7 @@ class Drafter(nn.Module):
     def _run(self, ids, hidden, positions, mask=None, cache=None, view=None):
         x = self.fc(torch.cat((self.target.embed_tokens(ids), hidden.to(self.fc.weight.dtype)), dim=-1))
         cos, sin = rotary(self.config, positions, x.dtype)
-        kv = None if cache is None else (cache.k[0], cache.v[0], view)
+        kv = None if cache is None else (cache.kv[0], view)
         x = self.layers[0](x, cos, sin, mask, kv)
         return self.target.lm_head(x), x
 

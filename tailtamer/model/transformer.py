@@ -31,9 +31,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in at least float32 (as transformers does) so bfloat16 stays accurate.
+        # Written out: F.rms_norm's CPU kernel casts back and forth and costs ~3x as much here.
         if x.dtype in (torch.float32, torch.float64):
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 @lru_cache(maxsize=32)
@@ -53,7 +55,8 @@ def rotary_table(rope_theta: float, head_dim: int, length: int, device: torch.de
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoFormer (Su et al. 2021) rotation in transformers' rotate-half layout:
     x·cos + rotate_half(x)·sin with rotate_half(x) = (−x2, x1); the sign lives in `sin`."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), -1) * sin
 
 
 class Attention(nn.Module):
@@ -67,19 +70,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, mask=None, kv=None):
-        """`mask`: bool (B, 1, T, S) or None for causal; `kv`: (k_cache, v_cache, CacheView) or None."""
+        """`mask`: additive (B, 1, T, S) or None for causal; `kv`: (one layer's cache, CacheView) or None."""
         B, T, _ = x.shape
-        qk_heads = self.n_heads + self.n_kv
-        qkv = self.qkv_proj(x).view(B, T, qk_heads + self.n_kv, self.head_dim).transpose(1, 2)
-        qk = apply_rotary(qkv[:, :qk_heads], cos, sin)  # q and k heads rotate together
-        q, k, v = qk[:, : self.n_heads], qk[:, self.n_heads:], qkv[:, qk_heads:]
-        if kv is not None:
-            k_cache, v_cache, view = kv
-            k, v = view.update(k_cache, k), view.update(v_cache, v)
+        nh, nkv = self.n_heads, self.n_kv
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, nh + 2 * nkv, self.head_dim)
+        qk = apply_rotary(qkv[:, :, : nh + nkv], cos, sin)  # q and k heads rotate together
+        q = qk[:, :, :nh].transpose(1, 2)
+        if kv is None:
+            k, v = qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2)
+        else:
+            cache, view = kv
+            keys = view.update(cache, torch.cat((qk[:, :, nh:], qkv[:, :, nh + nkv:]), 2))
+            k, v = keys[:, :, :nkv].transpose(1, 2), keys[:, :, nkv:].transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return F.linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -91,8 +97,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -104,8 +110,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask=None, kv=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Sub-modules are entered by .forward and projections by F.linear: nn.Module.__call__
+        # costs microseconds per call, which on small models is a large share of a decode step.
+        # (The layer itself is entered through __call__: sharding wrappers hook it.)
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, mask, kv)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 # Checkpoints name projections as transformers does; inside, q/k/v and gate/up are fused (one
@@ -150,83 +159,87 @@ class CacheView:
     slice when the batch occupies consecutive slots, which needs no gather), new tokens at
     cache index `index` (B, q), keys and values read up to `span`."""
 
-    def __init__(self, slots: torch.Tensor | slice, index: torch.Tensor, span: int):
-        self.slots, self.index, self.span = slots, index, span
-        rows = torch.arange(index.shape[0], device=index.device) if isinstance(slots, slice) else slots
-        self.rows = rows[:, None]
+    def __init__(self, slots: torch.Tensor | slice, index: torch.Tensor, span: int, max_len: int):
+        self.slots, self.span = slots, span
+        first = slots.start or 0 if isinstance(slots, slice) else 0
+        rows = torch.arange(first, first + index.shape[0], device=index.device) if isinstance(slots, slice) else slots
+        self.flat = (rows[:, None] * max_len + index).flatten()  # row of each new token in the flat cache
 
     def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Write new (B, kv_heads, q, dim) into the cache and return this batch's (B, kv_heads, span, dim)."""
-        target = cache[self.slots] if isinstance(self.slots, slice) else cache
-        # Cache rows are (slot, kv_head, position, dim); advanced indices put (B, q) first.
-        target[self.rows, :, self.index] = new.transpose(1, 2)
+        """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one
+        copy, and return this batch's (B, span, 2·kv_heads, dim)."""
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, self.flat, new.flatten(0, 1))
         if isinstance(self.slots, slice):
-            return target[:, :, : self.span]
-        return cache[:, :, : self.span].index_select(0, self.slots)
+            return cache[self.slots, : self.span]
+        return cache[:, : self.span].index_select(0, self.slots)
 
 
 class KVCache:
-    """Static KV cache, one (slots, kv_heads, max_len, head_dim) tensor pair per layer.
+    """Static KV cache: per layer one (slots, max_len, 2·kv_heads, head_dim) tensor, keys then
+    values along the head axis, so a decode step writes both with one indexed copy.
 
     Rows are addressed by absolute cache index, so rejecting speculative tokens costs nothing:
     the next write to those indices overwrites them.
     """
 
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device=None, dtype=torch.float32):
-        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, cfg.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (cfg.num_hidden_layers, slots, max_len, 2 * cfg.num_key_value_heads, cfg.head_size)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
         self.slots, self.max_len = slots, max_len
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` rows of a slot: to share a prefilled prompt between sibling
         samples, or to move a request into a lower slot and keep the batch contiguous."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.kv[:, dst, :length] = self.kv[:, src, :length]
 
     def move_rows(self, moves: list[tuple[int, list[int], list[int]]]) -> None:
         """Move cache rows within slots, for (slot, source rows, destination rows) triples, in
         one indexed copy (all sources are read before any write): how accepted draft paths
         are committed to consecutive positions."""
-        dev = self.k.device
+        dev = self.kv.device
         slots = torch.tensor([s for s, src, _ in moves for _ in src], device=dev)
         src = torch.tensor([i for _, rows, _ in moves for i in rows], device=dev)
         dst = torch.tensor([i for _, _, rows in moves for i in rows], device=dev)
-        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
-        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
+        self.kv[:, slots, dst] = self.kv[:, slots, src]
 
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.kv.numel() * self.kv.element_size()
 
 
 def rotary(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape (B, 1, T, head_dim) for absolute `positions` (B, T)."""
+    """cos, sin of shape (B, T, 1, head_dim) for absolute `positions` (B, T)."""
     # headroom past the context: draft-tree nodes of a request at its limit (discarded anyway)
     cos, sin = rotary_table(cfg.rope_theta, cfg.head_size, cfg.max_position_embeddings + 1024, positions.device, dtype)
-    return cos[positions][:, None], sin[positions][:, None]
+    return cos[positions][:, :, None], sin[positions][:, :, None]
 
 
 def decode_inputs(input_ids, cache: KVCache, slots, starts, positions=None, tree_mask=None, span=None):
-    """Rotary positions, the (B, 1, q, span) attention mask and the CacheView of a decode call.
-    `span` = max(starts) + q when the caller knows it (reading starts back costs a device sync)."""
+    """Rotary positions, the additive (B, 1, q, span) attention mask (built once, shared by
+    every layer) and the CacheView of a decode call. `span` = max(starts) + q when the caller
+    knows it (reading starts back costs a device sync)."""
     B, q = input_ids.shape
-    offsets = torch.arange(q, device=input_ids.device)
-    index = starts[:, None] + offsets
+    dev = input_ids.device
+    index = starts[:, None] + torch.arange(q, device=dev)
     if positions is None:
         positions = index
     if span is None:
         span = int(starts.max()) + q
     if span > cache.max_len:
         raise ValueError(f"sequence of {span} tokens exceeds the KV cache length {cache.max_len}")
-    if tree_mask is None:
-        tree_mask = (offsets[:, None] >= offsets[None, :]).expand(B, q, q)
-    window = tree_mask.shape[-1]
-    key = torch.arange(span, device=input_ids.device)
-    rel = key[None, None, :] - (starts + q - window)[:, None, None]  # key index within the window
-    inside = (rel >= 0) & (rel < window)
-    visible = torch.gather(tree_mask, 2, rel.clamp(0, window - 1).expand(B, q, span))
-    mask = (rel < 0) | (inside & visible)
-    return positions, mask[:, None], CacheView(slots, index, span)
+    key = torch.arange(span, device=dev)
+    if tree_mask is None:  # causal: each new token sees every row up to its own
+        visible = key <= index[..., None]
+    else:
+        window = tree_mask.shape[-1]
+        rel = key[None, None, :] - (starts + q - window)[:, None, None]  # key index within the window
+        inside = (rel >= 0) & (rel < window)
+        visible = (rel < 0) | (inside & torch.gather(tree_mask, 2, rel.clamp(0, window - 1).expand(B, q, span)))
+    mask = torch.zeros(visible.shape, dtype=cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+    return positions, mask[:, None], CacheView(slots, index, span, cache.max_len)
 
 
 class Transformer(nn.Module):
@@ -252,7 +265,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(ids)
         cos, sin = rotary(self.config, positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i], view)
+            kv = None if cache is None else (cache.kv[i], view)
             x = layer(x, cos, sin, mask, kv)
         hidden = self.norm(x)
         return self.lm_head(hidden), hidden

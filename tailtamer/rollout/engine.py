@@ -104,7 +104,7 @@ class Engine:
 
     def _cache_for(self, slots: int, length: int) -> KVCache:
         c = self._cache
-        if c is None or c.slots < slots or c.max_len < length or c.k.dtype != self.model.dtype:
+        if c is None or c.slots < slots or c.max_len < length or c.dtype != self.model.dtype:
             c = self._cache = KVCache(self.model.config, slots, length, self.model.device, self.model.dtype)
         return c
 

@@ -1,0 +1,113 @@
+"""`tailtamer bench profile`: where the time of a decode step and of an RL step goes.
+
+Decode: for batch sizes 1, 4 and 16, a plain step and SD steps (a depth-4 chain and a tree)
+of the built-in base model with its warm-up drafter, split by the engine's phase marks
+(rollout/stats.py `PHASES`): target forward, drafter extend, each draft level, verify,
+sampling, the acceptance rule, the commit, and host-side bookkeeping; per step, in ms.
+RL: a few steps of the default job with SD on, split by the step's own clock (rollout with
+its tail, rewards, old log-probs, update, and what the drafter adds: publish, the weight
+check and the spot trainer's preemption latency).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from tailtamer.model.drafter import load_drafter
+from tailtamer.model.io import load_pretrained
+from tailtamer.rollout.eagle import EagleProposer
+from tailtamer.rollout.engine import Engine, EngineConfig
+from tailtamer.rollout.sampling import SamplingParams
+from tailtamer.rollout.speculator import Speculator
+from tailtamer.rollout.stats import PHASES
+
+ARMS = ("plain", "4_1_5", "4_2_8")
+
+
+def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int = 96, repeats: int = 3) -> list[dict]:
+    """Per batch size and arm: ms per step by phase (medians over `repeats` interleaved runs),
+    tokens per step, and the step's cost relative to a plain step at that batch size."""
+    from tailtamer.tasks.arithmetic import ArithmeticTask
+
+    model, tokenizer = load_pretrained(model_dir)
+    drafter = load_drafter(drafter_dir, model)
+    problems = ArithmeticTask(min_ops=10).dataset(max(batches), seed=7)  # long responses: steps at full batch
+    prompts = [tokenizer.encode(p["prompt"]) for p in problems]
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=5)
+    rows = []
+    for batch in batches:
+        engines = {arm: Engine(model, tokenizer, EngineConfig(max_batch_size=batch), speculator=None if arm == "plain"
+                               else Speculator.fixed(EagleProposer(drafter), arm)) for arm in ARMS}
+        runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+        for engine in engines.values():
+            engine.generate(prompts[:batch], params)  # warm-up
+        for _ in range(repeats):
+            for arm, engine in engines.items():
+                PHASES.start()
+                _, stats = engine.generate(prompts[:batch], params)
+                phases = PHASES.stop()
+                steps = stats.decode_steps
+                runs[arm].append({"step_ms": 1e3 * (stats.plain_seconds + stats.sd_seconds) / steps,
+                                  "tokens_per_step": (stats.tokens - batch) / steps,
+                                  "phases": {k: 1e3 * v / steps for k, (v, _) in phases.items()},
+                                  "accept_len": stats.accept_len_mean})
+        plain_ms = statistics.median(r["step_ms"] for r in runs["plain"])
+        for arm, results in runs.items():
+            names = sorted({k for r in results for k in r["phases"]})
+            step_ms = statistics.median(r["step_ms"] for r in results)
+            rows.append({
+                "batch": batch, "arm": arm, "step_ms": round(step_ms, 3),
+                "step_vs_plain": round(step_ms / plain_ms, 3),
+                "tokens_per_step": round(statistics.median(r["tokens_per_step"] for r in results), 3),
+                "accept_len": round(statistics.median(r["accept_len"] for r in results), 3),
+                "phases_ms": {k: round(statistics.median(r["phases"].get(k, 0.0) for r in results), 3) for k in names},
+            })
+    return rows
+
+
+def profile_rl(steps: int = 6, overrides: tuple[str, ...] = (), out_dir: str = "runs/bench-profile") -> dict:
+    """Medians over the steps (the first excluded) of each phase of the RL step, as worker 0
+    and the slowest worker saw it, with the rollout's tail."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.trainer import launch
+
+    cfg = load_train_config(None, [f"run.steps={steps}", "run.name=profile", f"run.out_dir={out_dir}",
+                                   "run.eval_every=0", "run.save_every=0", *overrides])
+    shutil.rmtree(Path(out_dir) / "profile", ignore_errors=True)
+    launch(cfg, console=lambda _: None)
+    rows = [json.loads(line) for line in (Path(out_dir) / "profile" / "metrics.jsonl").read_text().splitlines()][1:]
+    phases: dict[str, list[float]] = {}
+    for row in rows:
+        per_worker: dict[tuple[int, str], float] = {}
+        for worker, name, a, b in row["timeline"]:
+            per_worker[(worker, name)] = per_worker.get((worker, name), 0.0) + b - a
+        for name in {n for _, n in per_worker}:
+            phases.setdefault(name, []).append(max(v for (w, n), v in per_worker.items() if n == name))
+    med = lambda key: round(statistics.median(r[key] for r in rows), 3)  # noqa: E731
+    return {
+        "steps": len(rows), "workers": rows[0]["workers"], "overrides": list(overrides),
+        "step_s": med("step_s"), "rollout_s": med("rollout_s"), "rollout_tail_s": med("rollout_tail_s"),
+        "train_s": med("train_s"), "sd_tokens_frac": med("sd_tokens_frac"),
+        "phase_s_slowest_worker": {k: round(statistics.median(v), 3) for k, v in sorted(phases.items())},
+    }
+
+
+def bench_profile(model_dir: str | None = None, rl_steps: int = 6, repeats: int = 3) -> dict:
+    from tailtamer.bench import _default_model_dir
+    from tailtamer.drafter.train import ensure_builtin_drafter
+
+    path = _default_model_dir(model_dir)
+    t0 = time.perf_counter()
+    report = {"model": str(path), "threads": torch.get_num_threads(),
+              "decode": profile_decode(path, ensure_builtin_drafter(path), repeats=repeats)}
+    if rl_steps and model_dir is None:
+        report["rl_step"] = profile_rl(rl_steps)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    return report
