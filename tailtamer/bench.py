@@ -279,11 +279,14 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
         "reward_max_abs_diff": max(abs(a["reward_mean"] - b["reward_mean"]) for a, b in zip(sd, off)),
         "sd_tokens_frac_median": round(median("sd", "sd_tokens_frac"), 3),
         "accept_len": [round(row["accept_len_mean"], 3) for row in sd],
-        "accept_len_est_adaptive": [round(row["accept_len_est"], 3) for row in sd],
+        "accept_len_est_adaptive": [round(row["accept_len_est"], 3) for row in sd
+                                    if row.get("accept_len_est") is not None],
         "accept_len_est_frozen": [round(row["accept_len_est_frozen"], 3) for row in sd
-                                  if row["accept_len_est_frozen"] is not None],
+                                  if row.get("accept_len_est_frozen") is not None],
         "idle_worker_s_median": round(median("sd", "idle_worker_s"), 3),
+        "rollout_tail_s_median": {k: round(median(k, "rollout_tail_s"), 3) for k in arms},
+        "train_s_median": {k: round(median(k, "train_s"), 3) for k in arms},
         "drafter_train_s_median": round(median("sd", "drafter_train_s"), 3),
-        "drafter_preempt_s_max": max((row["drafter_preempt_s"] or 0.0) for run in rows["sd"] for row in run),
+        "drafter_preempt_s_max": max((row.get("drafter_preempt_s") or 0.0) for run in rows["sd"] for row in run),
         "run_dirs": {k: str(Path(out_dir) / f"{k}-0") for k in arms},
     }

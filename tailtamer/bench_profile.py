@@ -34,7 +34,8 @@ def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int =
 
     model, tokenizer = load_pretrained(model_dir)
     drafter = load_drafter(drafter_dir, model)
-    problems = ArithmeticTask(min_ops=10).dataset(max(batches), seed=7)  # long responses: steps at full batch
+    # long responses, twice as many as the batch holds: most steps run at full batch
+    problems = ArithmeticTask(min_ops=10).dataset(2 * max(batches), seed=7)
     prompts = [tokenizer.encode(p["prompt"]) for p in problems]
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=5)
     rows = []
@@ -42,16 +43,17 @@ def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int =
         engines = {arm: Engine(model, tokenizer, EngineConfig(max_batch_size=batch), speculator=None if arm == "plain"
                                else Speculator.fixed(EagleProposer(drafter), arm)) for arm in ARMS}
         runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+        mine = prompts[: 2 * batch]
         for engine in engines.values():
-            engine.generate(prompts[:batch], params)  # warm-up
+            engine.generate(mine[:batch], params)  # warm-up
         for _ in range(repeats):
             for arm, engine in engines.items():
                 PHASES.start()
-                _, stats = engine.generate(prompts[:batch], params)
+                _, stats = engine.generate(mine, params)
                 phases = PHASES.stop()
                 steps = stats.decode_steps
                 runs[arm].append({"step_ms": 1e3 * (stats.plain_seconds + stats.sd_seconds) / steps,
-                                  "tokens_per_step": (stats.tokens - batch) / steps,
+                                  "tokens_per_step": (stats.tokens - len(mine)) / steps,
                                   "phases": {k: 1e3 * v / steps for k, (v, _) in phases.items()},
                                   "accept_len": stats.accept_len_mean})
         plain_ms = statistics.median(r["step_ms"] for r in runs["plain"])

@@ -163,10 +163,8 @@ class EagleProposer(Proposer):
         slots = slice(0, len(requests)) if slot_ids == list(range(len(requests))) else torch.tensor(slot_ids, device=dev)
         rows = torch.tensor(slot_ids, device=dev)[:, None]
         index = (start_t[:, None] + torch.arange(width, device=dev)).clamp(max=self.features.shape[1] - 1)
-        PHASES.mark("sd: host bookkeeping")
         logits, out = self.drafter.decode(self.next_tokens[rows, index], self.features[rows, index], self.cache,
                                           slots, start_t, span=max(starts) + width)
-        PHASES.mark("sd: drafter extend (draft level 1)")
         for s, e in zip(slot_ids, ends):
             self.drafted[s] = e
         last = torch.tensor([e - s - 1 for s, e in zip(starts, ends)], device=dev)
@@ -175,6 +173,7 @@ class EagleProposer(Proposer):
 
     def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
         logits, out = self._extend(running, [r.cached for r in running])
+        PHASES.mark("sd: drafter extend (draft level 1)")
         pending = self.next_tokens[torch.arange(len(running), device=starts.device), starts - 1]
         B, top = len(running), max(r.cached for r in running)
         if strategy.topk == 1:

@@ -152,11 +152,13 @@ class Engine:
         stats, start = RolloutStats(), time.perf_counter()
         speculating = False  # was the last step an SD step (then the drafter is caught up)
         while queue or running:
+            PHASES.mark("engine loop")
             admitted = self._admit(queue, running, slots)
             if admitted:
                 t0 = time.perf_counter()
                 self._prefill(admitted, cache, params)
                 stats.prefill_s += time.perf_counter() - t0
+                PHASES.mark("prefill")
                 running += admitted
                 speculating = False
             else:
@@ -168,6 +170,7 @@ class Engine:
                     t0 = time.perf_counter()
                     if spec.proposer.catch_up(running):
                         stats.catch_up_s += time.perf_counter() - t0
+                    PHASES.mark("sd: catch-up at the switch (no arm)")
                 speculating = strategy is not None
                 t0, before = time.perf_counter(), sum(len(r.output_ids) for r in running)
                 PHASES.mark("engine loop")
