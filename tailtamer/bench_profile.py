@@ -6,7 +6,8 @@ of the built-in base model with its warm-up drafter, split by the engine's phase
 sampling, the acceptance rule, the commit, and host-side bookkeeping; per step, in ms.
 RL: a few steps of the default job with SD on, split by the step's own clock (rollout with
 its tail, rewards, old log-probs, update, and what the drafter adds: publish, the weight
-check and the spot trainer's preemption latency).
+check and the spot trainer's preemption latency). Update: the policy update's tokens per
+second against plain forward+backward passes over the same tokens.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ ARMS = ("plain", "4_1_5", "4_2_8")
 def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int = 96, repeats: int = 3) -> list[dict]:
     """Per batch size and arm: ms per step by phase (medians over `repeats` interleaved runs),
     tokens per step, and the step's cost relative to a plain step at that batch size."""
-    from tailtamer.tasks.arithmetic import ArithmeticTask
+    from tailtamer.bench import worked_prompts
 
     model, tokenizer = load_pretrained(model_dir)
     drafter = load_drafter(drafter_dir, model)
-    # long responses, twice as many as the batch holds: most steps run at full batch
-    problems = ArithmeticTask(min_ops=10).dataset(2 * max(batches), seed=7)
-    prompts = [tokenizer.encode(p["prompt"]) for p in problems]
+    # long worked responses, twice as many as the batch holds: most steps run at full batch
+    prompts = worked_prompts(tokenizer, 2 * max(batches), seed=7, min_ops=10)
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=5)
     rows = []
     for batch in batches:
@@ -77,13 +77,14 @@ def profile_rl(steps: int = 6, overrides: tuple[str, ...] = (), out_dir: str = "
     import shutil
     from pathlib import Path
 
+    from tailtamer.bench import _quiet
     from tailtamer.config import load_train_config
     from tailtamer.rl.trainer import launch
 
     cfg = load_train_config(None, [f"run.steps={steps}", "run.name=profile", f"run.out_dir={out_dir}",
                                    "run.eval_every=0", "run.save_every=0", *overrides])
     shutil.rmtree(Path(out_dir) / "profile", ignore_errors=True)
-    launch(cfg, console=lambda _: None)
+    launch(cfg, console=_quiet)
     rows = [json.loads(line) for line in (Path(out_dir) / "profile" / "metrics.jsonl").read_text().splitlines()][1:]
     phases: dict[str, list[float]] = {}
     for row in rows:
@@ -101,6 +102,75 @@ def profile_rl(steps: int = 6, overrides: tuple[str, ...] = (), out_dir: str = "
     }
 
 
+def profile_update(model_dir, repeats: int = 3) -> dict:
+    """The policy update's throughput against the CPU's: one default step's samples (16 prompts
+    x 8 at T=1 from the base model, one worker), timed three ways, in real (prompt + response)
+    tokens per second: the update as `rl_step` runs it (micro-batch forwards, loss, backward,
+    AdamW; `update_policy`), the same micro-batches' forward+backward alone, and one forward+
+    backward of every sample padded to the longest in a single batch, and one forward+backward
+    of as many tokens in dense rows (what this CPU does for that many tokens, no padding)."""
+    from types import SimpleNamespace
+
+    from tailtamer.config import TrainConfig
+    from tailtamer.dist import Workers
+    from tailtamer.rl import grpo
+    from tailtamer.rl.batching import Samples, needed_width, response_batch, update_plan
+    from tailtamer.rl.trainer import _optimizer_factory, update_policy
+    from tailtamer.tasks.arithmetic import ArithmeticTask
+
+    cfg = TrainConfig()
+    roll, rl = cfg.rollout, cfg.rl
+    model, tokenizer = load_pretrained(model_dir)
+    batch = [{"prompt_ids": tokenizer.encode(p["prompt"])}
+             for p in ArithmeticTask().dataset(roll.prompts_per_step, seed=3)]
+    params = SamplingParams(temperature=roll.temperature, max_new_tokens=roll.max_new_tokens,
+                            n=roll.group_size, seed=11)
+    completions, _ = Engine(model, tokenizer).generate([b["prompt_ids"] for b in batch], params)
+    ids, mask = response_batch(batch, completions, tokenizer.pad_token_id or 0)
+    n = len(completions)
+    advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    samples = Samples(ids, mask, torch.ones(n, dtype=torch.bool), advantages, torch.arange(n))
+    plan = update_plan(samples, n, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens, roll.max_new_tokens,
+                       grpo.AGGREGATIONS[rl.loss_agg], torch.Generator().manual_seed(0))
+    tokens = int(needed_width(mask).sum())
+    with torch.no_grad():
+        old = {m.key: grpo.token_log_probs(model(ids[m.rows, : m.width])[0][:, :-1], ids[m.rows, 1: m.width], 1.0)
+               for minibatch in plan for m in minibatch}
+    optimizer, scheduler = _optimizer_factory(cfg)(model)
+    state = SimpleNamespace(cfg=cfg, workers=Workers(), model=model, optimizer=optimizer, scheduler=scheduler,
+                            ref_model=None, bad_steps=0)
+
+    def dense_fwd_bwd(batch):
+        logits, _ = model(batch)
+        logits.logsumexp(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    def fwd_bwd(rows_widths):
+        for rows, width in rows_widths:
+            logits, _ = model(ids[rows, :width])
+            logits.logsumexp(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    micro = [(m.rows, m.width) for minibatch in plan for m in minibatch]
+    dense = torch.randint(0, model.config.vocab_size, (tokens // 64, 64))
+    arms = {"update (update_policy)": lambda: update_policy(state, samples, plan, old, {}),
+            "its micro-batches, forward+backward only": lambda: fwd_bwd(micro),
+            "one padded batch, forward+backward": lambda: fwd_bwd([(torch.arange(n), ids.shape[1])]),
+            "as many tokens in dense 64-token rows, forward+backward": lambda: dense_fwd_bwd(dense)}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for _ in range(repeats):
+        for name, run in arms.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    model.eval()
+    return {"samples": n, "tokens": tokens, "padded_width": ids.shape[1],
+            "micro_batch_padded_tokens": sum(len(rows) * width for rows, width in micro),
+            "micro_batches": len(micro), "optimizer_steps": rl.minibatches,
+            "tokens_per_s": {k: round(tokens / statistics.median(v)) for k, v in times.items()},
+            "seconds": {k: round(statistics.median(v), 3) for k, v in times.items()}}
+
+
 def bench_profile(model_dir: str | None = None, rl_steps: int = 6, repeats: int = 3) -> dict:
     from tailtamer.bench import _default_model_dir
     from tailtamer.drafter.train import ensure_builtin_drafter
@@ -108,7 +178,8 @@ def bench_profile(model_dir: str | None = None, rl_steps: int = 6, repeats: int 
     path = _default_model_dir(model_dir)
     t0 = time.perf_counter()
     report = {"model": str(path), "threads": torch.get_num_threads(),
-              "decode": profile_decode(path, ensure_builtin_drafter(path), repeats=repeats)}
+              "decode": profile_decode(path, ensure_builtin_drafter(path), repeats=repeats),
+              "update": profile_update(path, repeats=repeats)}
     if rl_steps and model_dir is None:
         report["rl_step"] = profile_rl(rl_steps)
     report["seconds"] = round(time.perf_counter() - t0, 1)

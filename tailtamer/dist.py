@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from tailtamer.errors import TailtamerError
 from tailtamer.stopping import Interrupted, StopRequest
-from tailtamer.rl.batching import Samples, balanced_shares, needed_width
+from tailtamer.rl.batching import Samples, balanced_shares_by_group, needed_width
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
@@ -111,12 +111,13 @@ class Workers:
         dist.all_gather_object(out, obj)
         return out
 
-    def rebalance(self, samples: Samples, pad_id: int) -> Samples:
+    def rebalance(self, samples: Samples, pad_id: int, group_of: Callable[[torch.Tensor], torch.Tensor]) -> Samples:
         """Re-deal the step's samples for the update so every worker gets about as many tokens
-        of the policy loss (`balanced_shares` over every worker's samples): each worker rolled
-        out its own prompts, and on long-tailed lengths one of them would otherwise hold the
-        longest responses and keep the rest waiting at every gradient all-reduce (verl's
-        balance_batch). Rows travel trimmed to what they need."""
+        of the policy loss in each minibatch (`balanced_shares_by_group`, the minibatch of a
+        sample given by `group_of` its global index): each worker rolled out its own prompts,
+        and on long-tailed lengths one of them would otherwise hold the longest responses and
+        keep the rest waiting at every gradient all-reduce (verl's balance_batch, per optimizer
+        step). Rows travel trimmed to what they need."""
         if self.world == 1:
             return samples
         s = samples
@@ -125,7 +126,8 @@ class Workers:
                 for i, n in enumerate(needed)]
         rows = [row for part in self.gather(mine) for row in part]
         costs = [len(r[0]) if r[2] else 0 for r in rows]
-        share = balanced_shares(costs, self.world)[self.rank]
+        groups = group_of(torch.stack([r[4] for r in rows])).tolist()
+        share = balanced_shares_by_group(costs, groups, self.world)[self.rank]
         width = max([len(rows[i][0]) for i in share] + [2])
         ids = torch.full((len(share), width), pad_id, dtype=s.ids.dtype)
         mask = torch.zeros(len(share), width - 1, dtype=torch.bool)

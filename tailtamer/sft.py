@@ -40,13 +40,13 @@ from tailtamer.tasks.arithmetic import ArithmeticTask
 
 CACHE_ENV = "TAILTAMER_CACHE"
 # Bump when the training data or procedure changes for the same config, so caches refresh.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 
 @dataclass(frozen=True)
 class SFTConfig:
-    preset: str = "tiny"  # model size (see model.config.PRESETS)
-    steps: int = 1200  # optimizer steps on worked traces (~5 min on 2 cores)
+    preset: str = "base"  # model size (see model.config.PRESETS)
+    steps: int = 1000  # optimizer steps on worked traces (~8 min on 2 cores)
     habit_steps: int = 150  # then steps at the final learning rate with the teacher's direct answers
     direct_answer_prob: float = 0.6  # share of those problems the teacher answers without working
     batch_size: int = 32  # problems per step

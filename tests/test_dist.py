@@ -11,7 +11,7 @@ import torch
 
 from tailtamer.config import load_train_config
 from tailtamer.dist import WorkerError, Workers, resolve_workers, spawn
-from tailtamer.rl.batching import balanced_shares
+from tailtamer.rl.batching import balanced_shares, balanced_shares_by_group
 from tailtamer.rl.trainer import TrainingError, check_same_weights, run_worker, train
 from test_trainer import TIME_FIELDS, _comparable, _rows
 
@@ -207,7 +207,7 @@ def test_spawned_workers_get_the_built_in_base_model_resolved_by_the_launcher(tm
     from tailtamer.rl import trainer
     from tailtamer.sft import SFTConfig
 
-    base = tmp_path / f"base-tiny-{SFTConfig().key()}"
+    base = tmp_path / f"base-{SFTConfig().preset}-{SFTConfig().key()}"
     base.mkdir()
     (base / "sft.json").write_text("{}")
     monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path))
@@ -232,3 +232,21 @@ def test_diverged_weights_are_detected():
         check_same_weights([("p", "d"), ("p", "x")], step=3)
     with pytest.raises(TrainingError, match="worker 2's policy"):
         check_same_weights([("p", None), ("p", None), ("q", None)], step=3)
+
+
+def test_each_minibatch_is_balanced_across_workers():
+    # every optimizer step ends in an all-reduce: a minibatch dealt unevenly keeps workers waiting
+    costs = [320, 30, 28, 300, 25, 40, 35, 290, 22, 31, 27, 26, 200, 18, 19, 250]
+    groups = [0, 1] * 8
+    shares = balanced_shares_by_group(costs, groups, 2)
+    assert sorted(i for share in shares for i in share) == list(range(len(costs)))
+    for g in (0, 1):
+        loads = [sum(costs[i] for i in share if groups[i] == g) for share in shares]
+        assert max(loads) - min(loads) <= max(c for c, x in zip(costs, groups) if x == g)
+    # a step-level deal can leave one minibatch lopsided; this one cannot
+    step_level = balanced_shares(costs, 2)
+    lopsided = [abs(sum(costs[i] for i in step_level[0] if groups[i] == g)
+                    - sum(costs[i] for i in step_level[1] if groups[i] == g)) for g in (0, 1)]
+    balanced = [abs(sum(costs[i] for i in shares[0] if groups[i] == g)
+                    - sum(costs[i] for i in shares[1] if groups[i] == g)) for g in (0, 1)]
+    assert max(balanced) < max(lopsided)

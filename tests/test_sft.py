@@ -61,7 +61,7 @@ def test_a_short_run_lowers_held_out_loss(tmp_path):
 
     cfg = SFTConfig(steps=40, batch_size=16, warmup=5, habit_steps=0)
     tok = char_tokenizer()
-    before = init_model(preset_config("tiny", tok.vocab_size, tie_word_embeddings=True), seed=cfg.seed)
+    before = init_model(preset_config(cfg.preset, tok.vocab_size, tie_word_embeddings=True), seed=cfg.seed)
     train_sft(cfg, tmp_path, log=lambda _: None)
     after = load_model(tmp_path)
     assert load_tokenizer(tmp_path).encode("1+2") == tok.encode("1+2")

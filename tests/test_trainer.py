@@ -264,3 +264,28 @@ def test_the_drafter_learns_from_every_response_whatever_the_policy_loss_keeps(t
         assert len([e for e in s.drafter.buffer.entries if e.step == 0]) == 4 * 8, extra
         assert row["accept_len_est"] >= 1.0
         s.scorer.close()
+
+
+def test_micro_batch_cuts_minimise_padding_plus_call_cost():
+    import itertools
+
+    from tailtamer.rl.batching import token_budget_chunks
+
+    widths = [40, 36, 190, 44, 38, 120, 41, 39, 37, 300, 42, 35]
+
+    def cost(chunks, overhead):
+        return sum(overhead + len(c) * max(widths[i] for i in c) for c in chunks)
+
+    chunks = token_budget_chunks(widths, max_rows=8, max_tokens=4096, overhead=64)
+    assert sorted(i for c in chunks for i in c) == list(range(len(widths)))
+    assert all(len(c) <= 8 for c in chunks)
+    # the long rows do not pad the short ones, and the optimum beats every cut of the sorted
+    # widths into contiguous chunks (exhaustive over the 2^11 cut sets)
+    assert max(widths[i] for i in chunks[0]) <= 44
+    order = sorted(range(len(widths)), key=lambda i: (widths[i], i))
+    best = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (len(order),))], 64)
+               for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k)
+               if all(b - a <= 8 for a, b in zip((0,) + cuts, cuts + (len(order),))))
+    assert cost(chunks, 64) == best
+    # a huge per-call cost puts everything that fits into as few chunks as possible
+    assert len(token_budget_chunks(widths, max_rows=16, max_tokens=10**6, overhead=10**6)) == 1

@@ -33,7 +33,7 @@ class TrainingDiverged(TailtamerError):
 
 @dataclass(frozen=True)
 class DrafterTrainConfig:
-    steps: int = 300
+    steps: int = 800  # the built-in drafter: top-1 agreement ~67% after 300 steps, ~89% after 1000
     batch_size: int = 16  # sequences per step
     lr: float = 2e-3  # AdamW, linear warm-up then constant (the reference warms up, then holds)
     warmup: int = 20

@@ -37,7 +37,8 @@ from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
-from tailtamer.rl.batching import Samples, needed_width, response_batch, token_budget_chunks, update_plan
+from tailtamer.rl.batching import (Samples, minibatch_of, needed_width, response_batch, token_budget_chunks,
+                                   update_plan)
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tailtamer.rl.data import load_task_rows
 from tailtamer.rl.rewards import RewardScorer, merge_failures
@@ -153,11 +154,13 @@ def rl_step(s: RunState) -> dict:
     #    drafter. Workers first re-deal the samples so each holds about as many tokens.
     ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
     first = lo * roll.group_size
+    n_total = len(prompts) * roll.group_size
+    shuffle = lambda: torch.Generator().manual_seed(cfg.run.seed + s.step)  # noqa: E731 (the step's minibatches)
     samples = w.rebalance(Samples(ids, response_mask, keep, advantages, torch.arange(first, first + len(completions))),
-                          s.tokenizer.pad_token_id or 0)
-    plan = update_plan(samples, len(prompts) * roll.group_size, rl.minibatches, rl.micro_batch_size,
-                       rl.micro_batch_tokens, roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg],
-                       torch.Generator().manual_seed(cfg.run.seed + s.step), w.sum)
+                          s.tokenizer.pad_token_id or 0,
+                          lambda index: minibatch_of(index, n_total, rl.minibatches, shuffle()))
+    plan = update_plan(samples, n_total, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens,
+                       roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg], shuffle(), w.sum)
     old_logps, ref_logps = old_log_probs(s, samples, plan)
     clock.mark("old_logprobs")
 
