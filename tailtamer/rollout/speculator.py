@@ -14,9 +14,11 @@ from tailtamer.rollout.speculative import ACCEPTANCE_RULES, LOSSY_RULES, Strateg
 from tailtamer.rollout.tuner import BEGTuner, FixedTuner
 
 # BEG-MAB defaults: two real choices per tokens-to-verify group (fastrl's defaults have one,
-# so its bandit never learns), buckets of batch sizes 1-2, 3-8 and 9+ (Strategy.verify 8/5/3).
-DEFAULT_MAB_STRATEGIES = ("4_2_8", "3_3_8", "4_1_5", "2_2_5", "2_1_3", "1_2_3")
-DEFAULT_BUCKET_THRESHOLDS = (1, 3, 9)
+# so its bandit never learns), buckets of batch sizes 1-2, 3-64 and 65+ (Strategy.verify
+# 8/5/3), from `tailtamer bench sd` on the built-in base model: 4_1_5 is the best cell from
+# batch 2 to 64, trees and deep chains pay most at batch 1 (README).
+DEFAULT_MAB_STRATEGIES = ("4_2_8", "7_1_8", "4_1_5", "2_2_5", "2_1_3", "1_2_3")
+DEFAULT_BUCKET_THRESHOLDS = (1, 3, 65)
 
 
 @dataclass(frozen=True)
@@ -25,8 +27,8 @@ class SpecConfig:
     strategy: str = f("4_2_8", "DEPTH_TOPK_VERIFY draft tree for mode=on and tuner=fixed")
     drafter: str | None = f(None, "an EAGLE drafter directory, or ngram (model-free)")
     acceptance: str = f("exact", "the acceptance rule; only the exact (lossless) one exists")
-    bs_threshold: int = f(4, "adaptive: speculate once at most this many requests run (0 = never: the "
-                             "drafter is attached and trained, for measuring what it costs)")
+    bs_threshold: int = f(64, "adaptive: speculate once at most this many requests run (0 = never: the "
+                              "drafter is attached and trained, for measuring what it costs)")
     tuner: str = f("beg", "adaptive: beg (bucketed epsilon-greedy bandit, TLT §2.3) or fixed")
     strategies: tuple[str, ...] = f(DEFAULT_MAB_STRATEGIES, "beg: the arms (plus 'no SD' in every bucket)")
     bucket_thresholds: tuple[int, ...] = f(DEFAULT_BUCKET_THRESHOLDS, "beg: one per tokens-to-verify group")

@@ -53,8 +53,9 @@ class RolloutStats:
         for d in range(1, emitted):
             self.depth_accepts[d] = self.depth_accepts.get(d, 0) + 1
 
-    def tail_seconds(self, running: int) -> float:
-        """Decode time of the steps with at most `running` requests left: the long tail."""
+    def tail_seconds(self, running: int = 4) -> float:
+        """Decode time of the steps with at most `running` requests left: the long tail (by
+        default <= 4, a fixed yardstick whatever spec.bs_threshold is)."""
         return sum(s for n, s in self.seconds_by_running.items() if n <= running)
 
     @property
