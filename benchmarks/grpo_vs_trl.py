@@ -1,6 +1,6 @@
 """tailtamer GRPO (plain decoding) beside TRL's GRPOTrainer, interleaved in one run.
 
-Both arms get the same things: the base model (the built-in tiny model from `tailtamer sft`)
+Both arms get the same things: the base model (the built-in base model from `tailtamer sft`)
 in float32 with no autocast (TRL's GRPOConfig defaults to bf16 autocast, which this CPU
 emulates slowly) and no activation checkpointing (TRL's default is on); the same prompts at
 every step (tailtamer's draw, fed to TRL unshuffled); the same group size, response length

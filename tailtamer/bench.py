@@ -282,6 +282,9 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
         "step_s_median": {k: round(median(k, "step_s"), 3) for k in arms},
         "rollout_s_median": {k: round(median(k, "rollout_s"), 3) for k in arms},
         "step_speedup": round(median("off", "step_s") / median("sd", "step_s"), 3),
+        "step_speedup_per_repeat": [round(statistics.median(row["step_s"] for row in a)
+                                          / statistics.median(row["step_s"] for row in b), 3)
+                                    for a, b in zip(rows["off"], rows["sd"])],
         "rollout_speedup": round(median("off", "rollout_s") / median("sd", "rollout_s"), 3),
         "reward_mean": {k: round(statistics.mean(row["reward_mean"] for row in rows[k][0]), 4) for k in arms},
         "steps_with_equal_rewards": sum(a["reward_mean"] == b["reward_mean"] for a, b in zip(sd, off)) / steps,

@@ -247,6 +247,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tailtamer.rollout.engine import EngineConfig
+    from tailtamer.sft import SFTConfig
+
     p = _Parser(prog="tailtamer", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -269,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when this PyTorch has a GPU, else cpu)")
-    g.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    g.add_argument("--max-batch-size", type=int, default=EngineConfig().max_batch_size,
+                   help="requests decoded together (default %(default)s)")
     g.add_argument("--stats", help="write throughput and the running-requests timeline as JSON")
     g.set_defaults(func=cmd_generate)
 
@@ -294,11 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sft", help="train (or find in the cache) the built-in task's base model")
     s.add_argument("--out", help="train into this directory instead of the cache")
-    s.add_argument("--steps", type=int, help="steps on worked traces (default 1200)")
+    s.add_argument("--steps", type=int, help=f"steps on worked traces (default {SFTConfig().steps})")
     s.add_argument("--habit-steps", type=int, help="then steps where the teacher often answers directly "
-                                                    "(default 150; 0 = no habit for RL to unlearn)")
+                                                    f"(default {SFTConfig().habit_steps}; 0 = no habit for RL to unlearn)")
     s.add_argument("--seed", type=seed)
-    s.add_argument("--preset")
+    s.add_argument("--preset", help=f"model size (default {SFTConfig().preset}; see init-model)")
     s.set_defaults(func=cmd_sft)
 
     i = sub.add_parser("init-model", help="write a randomly initialised model of a preset size")

@@ -91,7 +91,7 @@ def test_bad_sft_config(kwargs, field):
 
 @pytest.mark.slow
 def test_default_base_model_has_a_habit_and_long_tailed_samples():
-    """The built-in base model (trained here if not cached, ~5 min): RL needs it to be right
+    """The built-in base model (trained here if not cached, ~8 min): RL needs it to be right
     sometimes and wrong sometimes, for a reason it can learn (answering without the working
     loses to working it out), and its own samples must show the long tail."""
     from tailtamer.demo import evaluate
