@@ -115,7 +115,8 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
     from tailtamer.dist import Workers
     from tailtamer.rl import grpo
     from tailtamer.rl.batching import Samples, needed_width, response_batch, update_plan
-    from tailtamer.rl.trainer import _optimizer_factory, update_policy
+    from tailtamer.rl.optim import make_optimizer
+    from tailtamer.rl.trainer import update_policy
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
     cfg = TrainConfig()
@@ -136,7 +137,7 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
     with torch.no_grad():
         old = {m.key: grpo.token_log_probs(model(ids[m.rows, : m.width])[0][:, :-1], ids[m.rows, 1: m.width], 1.0)
                for minibatch in plan for m in minibatch}
-    optimizer, scheduler = _optimizer_factory(cfg)(model)
+    optimizer, scheduler = make_optimizer(model, rl, cfg.run.steps)
     state = SimpleNamespace(cfg=cfg, workers=Workers(), model=model, optimizer=optimizer, scheduler=scheduler,
                             ref_model=None, bad_steps=0)
 

@@ -18,7 +18,8 @@ import yaml
 from tailtamer.config_fields import at_least, at_most, f, positive
 from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError
-from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
+from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from tailtamer.rl.optim import LR_SCHEDULES
 from tailtamer.rollout.speculator import SpecConfig
 
 
@@ -119,10 +120,17 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class RLConfig:
     advantage: str = f("grpo", f"advantage estimator: {', '.join(ADVANTAGES)}")
+    policy_loss: str = f("ppo-clip", f"policy loss: {', '.join(POLICY_LOSSES)} (gspo: sequence-level ratio; "
+                                      "use clip bounds ~3e-4/4e-4 and loss_agg=seq-mean-token-mean as in the paper)")
     loss_agg: str = f("token-mean", f"loss aggregation: {', '.join(AGGREGATIONS)}")
-    lr: float = f(1e-4, "AdamW learning rate (constant after warm-up); higher degrades the tiny base model (README)")
-    warmup: int = f(3, "linear warm-up steps")
+    lr: float = f(1e-4, "AdamW learning rate (peak, after warm-up); higher degrades the base model (README)")
+    lr_schedule: str = f("constant", f"after warm-up: {', '.join(LR_SCHEDULES)} (over run.steps)")
+    min_lr_ratio: float = f(0.0, "linear / cosine: the final learning rate as a fraction of rl.lr")
+    warmup: int = f(3, "linear warm-up steps (RL steps)")
     weight_decay: float = f(0.0, "AdamW weight decay")
+    adam_beta1: float = f(0.9, "AdamW β1")
+    adam_beta2: float = f(0.99, "AdamW β2")
+    adam_eps: float = f(1e-8, "AdamW ε")
     clip_low: float = f(0.2, "PPO clip ε_low")
     clip_high: float = f(0.28, "PPO clip ε_high (DAPO clip-higher)")
     kl_coef: float = f(0.0, "KL penalty coefficient; > 0 loads a frozen reference model")
@@ -140,7 +148,8 @@ class RLConfig:
     reward_timeout_s: float = f(5.0, "a reward call taking longer scores 0 (counted)")
 
     def __post_init__(self):
-        for name, registry in (("advantage", ADVANTAGES), ("loss_agg", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
+        for name, registry in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES), ("loss_agg", AGGREGATIONS),
+                               ("kl_estimator", KL_ESTIMATORS), ("lr_schedule", LR_SCHEDULES)):
             if getattr(self, name) not in registry:
                 raise ConfigError(f"rl.{name} {getattr(self, name)!r} is unknown; choose one of {sorted(registry)}")
         if self.overlong not in ("none", "mask", "penalty"):
@@ -152,6 +161,12 @@ class RLConfig:
                  "overlong_buffer")
         if not 0 <= self.clip_low < 1:
             raise ConfigError(f"rl.clip_low must be in [0, 1), got {self.clip_low}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"rl.{name} must be in [0, 1), got {getattr(self, name)}")
+        positive(self, "rl", "adam_eps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"rl.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         at_least(self, "rl", 0, "clip_high")
 
 

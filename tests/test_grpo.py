@@ -105,3 +105,31 @@ def test_token_log_probs_and_entropy():
 def test_overlong_penalty():
     lengths = torch.tensor([10, 80, 90, 100, 120])
     assert overlong_penalty(lengths, max_len=100, buffer=20).tolist() == pytest.approx([0, 0, -0.5, -1, -1])
+
+
+def test_gspo_uses_one_clipped_ratio_per_sequence():
+    """GSPO (Zheng et al. 2025) by hand: s_i = exp(mean over counted tokens of log π − log π_old)."""
+    import math
+
+    from tailtamer.rl.grpo import POLICY_LOSSES
+
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, 0.3, 5.0], [-0.5, 7.0, 7.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True, False, False]])  # padding never counts
+    loss, clipped = POLICY_LOSSES["gspo"](logp, old, torch.tensor([1.0, -1.0]), mask, 0.2, 0.28)
+    s0, s1 = math.exp(0.2), math.exp(-0.5)  # 1.221 (inside the clip range), 0.607 (below 0.8)
+    assert torch.allclose(loss[0], torch.full((3,), -s0), atol=1e-6)
+    assert s1 < 0.8 and torch.allclose(loss[1], torch.full((3,), 0.8), atol=1e-6)  # −min(−s1, −0.8), A = −1
+    assert clipped.tolist() == [[False] * 3, [True] * 3]
+    (loss * mask).sum().backward()
+    # GSPO-token: each counted token's gradient is −A·s_i (not s_i/|y|); clipped sequences get none
+    assert torch.allclose(logp.grad, torch.tensor([[-s0, -s0, 0.0], [0.0, 0.0, 0.0]]), atol=1e-6)
+
+
+def test_ppo_clip_is_a_registered_policy_loss_that_ignores_the_mask():
+    from tailtamer.rl.grpo import POLICY_LOSSES
+
+    logp, old = torch.tensor([[0.5, -0.1]]), torch.zeros(1, 2)
+    a = POLICY_LOSSES["ppo-clip"](logp, old, torch.tensor([1.0]), torch.tensor([[True, False]]), 0.2, 0.28)
+    b = clipped_policy_loss(logp, old, torch.tensor([1.0]), 0.2, 0.28)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

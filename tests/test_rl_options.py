@@ -90,3 +90,22 @@ def test_held_out_evaluation_is_greedy_accuracy_of_the_checkpointed_policy(toy, 
     expected = sum(reward(c.text, "0") for c in completions) / len(prompts)
     print(f"held-out greedy accuracy {expected:.3f}")
     assert rows[1]["eval_accuracy"] == pytest.approx(expected)
+
+
+def test_gspo_equals_ppo_on_policy_and_clips_whole_sequences_off_policy(toy):
+    """On the first pass the ratio is 1 for both losses, so GSPO's first step equals PPO-clip's;
+    in later PPO epochs GSPO clips whole responses (a clipped fraction of whole sequences at
+    its tight default-like bounds), where PPO-clip's fraction is per token."""
+    common = toy + ["rl.minibatches=1", "rl.lr=3e-2", "run.steps=1"]
+    ppo = _run(common, "ppo")
+    gspo = _run(common + ["rl.policy_loss=gspo"], "gspo")
+    assert gspo[0]["loss"] == pytest.approx(ppo[0]["loss"], rel=1e-5) and gspo[0]["clip_frac"] == 0
+    rows = _run(common + ["rl.policy_loss=gspo", "rl.ppo_epochs=3", "rl.clip_low=3e-4", "rl.clip_high=4e-4"], "gspo3")
+    assert rows[0]["clip_frac"] > 0
+
+
+def test_unknown_policy_loss_is_a_start_up_error(toy):
+    from tailtamer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rl.policy_loss 'ppo' is unknown"):
+        load_train_config(None, toy + ["rl.policy_loss=ppo"])

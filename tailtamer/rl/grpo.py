@@ -56,6 +56,38 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     return -torch.minimum(unclipped, clipped), (clipped < unclipped)
 
 
+def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     clip_low: float = 3e-4, clip_high: float = 4e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token GSPO loss (Group Sequence Policy Optimization, Zheng et al. 2025, arXiv
+    2507.18071, its GSPO-token form): the importance ratio of a whole response,
+
+        s_i = exp( (1/|y_i|) Σ_t (log π(y_i,t) − log π_old(y_i,t)) )     (over its counted tokens)
+        s_i,t = sg[s_i] · π(y_i,t) / sg[π(y_i,t)]                         (value s_i, gradient per token)
+        ℓ_i,t = −min(s_i,t·A_i, clip(s_i,t, 1 − ε_low, 1 + ε_high)·A_i)
+
+    so every token of a response shares the sequence's ratio and clipping (the paper clips at
+    ε = 3e-4 / 4e-4: sequence ratios stay far closer to 1 than token ratios). The paper
+    averages per sequence (rl.loss_agg=seq-mean-token-mean); any aggregation applies.
+    advantages (B,), mask (B, T) the counted response tokens. Returns (loss, clipped) per token."""
+    mask = mask.to(logp.dtype)
+    length = mask.sum(1).clamp(min=1)
+    log_s = ((logp - old_logp) * mask).sum(1) / length
+    ratio = torch.exp(log_s.detach())[:, None] * torch.exp(logp - logp.detach())
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).expand_as(logp)
+
+
+def _ppo_clip(logp, old_logp, advantages, mask, clip_low, clip_high):
+    return clipped_policy_loss(logp, old_logp, advantages, clip_low, clip_high)
+
+
+# The policy loss per token (rl.policy_loss), each (logp, old_logp, advantages, mask, ε_low,
+# ε_high) -> (loss per token, clipped per token).
+POLICY_LOSSES: dict[str, Callable] = {"ppo-clip": _ppo_clip, "gspo": gspo_policy_loss}
+
+
 # --- loss aggregation: token weights w with loss = Σ ℓ·w ------------------------------------------
 # Weights are computed over a whole optimizer minibatch, so summing Σ ℓ·w over its micro-batches
 # (gradient accumulation) gives exactly the minibatch's aggregate. `total` sums a count over

@@ -41,6 +41,7 @@ from tailtamer.rl.batching import (Samples, minibatch_of, needed_width, response
                                    update_plan)
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tailtamer.rl.data import load_task_rows
+from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import RewardScorer, merge_failures
 from tailtamer.rl.run_dir import DEFAULT_NAME, claim_run_dir, keep_metrics_before, record_resume, resume_changes
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics
@@ -244,8 +245,9 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
                 mb_ids = samples.ids[micro.rows, : micro.width]
                 logits, _ = s.model(mb_ids)
                 logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
-                per_token, clipped = grpo.clipped_policy_loss(logp, old_logps[micro.key],
-                                                              samples.advantages[micro.rows], rl.clip_low, rl.clip_high)
+                per_token, clipped = grpo.POLICY_LOSSES[rl.policy_loss](
+                    logp, old_logps[micro.key], samples.advantages[micro.rows],
+                    samples.loss_mask[micro.rows, : micro.width - 1], rl.clip_low, rl.clip_high)
                 loss = (per_token * micro.weights).sum()
                 kl = entropy = torch.zeros(())
                 if s.ref_model is not None:
@@ -303,17 +305,6 @@ def evaluate_greedy(s: RunState) -> float | None:
         correct = sum(value for value, _ in scored)
     s.workers.wait_for_all("eval")  # shards take unequal time: no collective timeout while waiting
     return s.workers.sum(torch.tensor(float(correct))).item() / len(rows)
-
-
-def _optimizer_factory(cfg: TrainConfig):
-    def make(model):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.rl.lr, betas=(0.9, 0.99),
-                                      weight_decay=cfg.rl.weight_decay)
-        warmup = max(1, cfg.rl.warmup * cfg.rl.minibatches * cfg.rl.ppo_epochs)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warmup))
-        return optimizer, scheduler
-
-    return make
 
 
 def prompt_limit(cfg: TrainConfig, context: int) -> int:
@@ -377,7 +368,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
                           f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: start at most "
                           f"{prompts} workers or raise rollout.prompts_per_step")
     scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s)
-    make_opt = _optimizer_factory(cfg)
+    make_opt = lambda model: make_optimizer(model, cfg.rl, cfg.run.steps)  # noqa: E731
     state = {"step": 0}
     if resume is not None:
         checkpoint = latest_checkpoint(run_dir)

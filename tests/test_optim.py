@@ -1,0 +1,43 @@
+"""Learning-rate schedules and AdamW settings of the policy update (rl/optim.py)."""
+
+import math
+
+import pytest
+
+from tailtamer.rl.optim import lr_factor
+
+
+def test_schedules_by_hand():
+    # warm-up 2 of 10 optimizer steps: 1/2, 2/2, then the schedule over the remaining 8
+    assert [lr_factor("constant", k, 2, 10) for k in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_factor("linear", 2, 2, 10) == 1.0 and lr_factor("linear", 6, 2, 10) == pytest.approx(0.5)
+    assert lr_factor("linear", 10, 2, 10) == 0.0 and lr_factor("linear", 10, 2, 10, min_ratio=0.1) == pytest.approx(0.1)
+    assert lr_factor("cosine", 6, 2, 10) == pytest.approx(0.5)  # halfway: (1 + cos π/2)/2
+    assert lr_factor("cosine", 4, 2, 10, 0.2) == pytest.approx(0.2 + 0.8 * (1 + math.cos(math.pi / 4)) / 2)
+    assert lr_factor("cosine", 50, 2, 10, 0.2) == pytest.approx(0.2)  # past the end: the floor
+    assert lr_factor("constant", 0, 0, 10) == 1.0  # no warm-up
+
+
+def test_a_run_follows_the_schedule_and_the_adamw_settings(toy, tmp_path):
+    from test_rl_options import _run
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.trainer import prepare, setup
+
+    rows = _run(toy + ["run.steps=4", "rl.minibatches=1", "rl.warmup=1", "rl.lr=1e-3", "rl.lr_schedule=cosine",
+                       "rl.min_lr_ratio=0.1"], "cosine")
+    # the lr logged after step s's optimizer step, which was step s - 1 (0-based) of 4
+    expected = [1e-3 * lr_factor("cosine", s, 1, 4, 0.1) for s in range(1, 5)]
+    assert [r["lr"] for r in rows] == pytest.approx(expected)
+    s = setup(prepare(load_train_config(None, toy + ["rl.adam_beta2=0.95", "rl.adam_eps=1e-6"])))
+    group = s.optimizer.param_groups[0]
+    assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-6
+
+
+@pytest.mark.parametrize("override, field", [("rl.lr_schedule=exp", "rl.lr_schedule"), ("rl.adam_beta2=1", "rl.adam_beta2"),
+                                             ("rl.min_lr_ratio=2", "rl.min_lr_ratio"), ("rl.adam_eps=0", "rl.adam_eps")])
+def test_bad_optimizer_settings_name_the_field(override, field):
+    from tailtamer.config import load_train_config
+    from tailtamer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_train_config(None, [override])
