@@ -72,6 +72,7 @@ class RunConfig:
     steps: int = f(40, "RL steps")
     eval_every: int = f(10, "greedy accuracy on the held-out split every N steps (0 = never)")
     save_every: int = f(10, "checkpoint every N steps (atomic; 0 = only at the end)")
+    keep_checkpoints: int = f(2, "checkpoints kept: the newest N, plus the best by held-out accuracy")
     seed: int = f(0, "seeds data order, sampling and initialisation")
     max_bad_steps: int = f(3, "stop (with a checkpoint) after this many NaN/inf losses in a row")
     loggers: tuple[str, ...] = f((), "extra loggers besides metrics.jsonl: tensorboard, wandb (offline unless WANDB_MODE)")
@@ -79,7 +80,7 @@ class RunConfig:
     dist_timeout_s: float = f(300.0, "a worker silent for this long in a collective stops the run")
 
     def __post_init__(self):
-        at_least(self, "run", 1, "steps")
+        at_least(self, "run", 1, "steps", "keep_checkpoints")
         at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers")
         positive(self, "run", "dist_timeout_s")
         at_most(self, "run", 7 * 86400, "dist_timeout_s")

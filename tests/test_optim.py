@@ -41,3 +41,33 @@ def test_bad_optimizer_settings_name_the_field(override, field):
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_train_config(None, [override])
+
+
+def test_checkpoints_kept_are_the_newest_and_the_best_evaluated():
+    from tailtamer.rl.checkpoint import checkpoints_to_delete
+
+    acc = {"step-000010": 0.5, "step-000020": 0.7, "step-000030": None, "step-000040": 0.6, "step-000050": None}
+    assert checkpoints_to_delete(acc, 2) == ["step-000010", "step-000030"]  # 20 is the best: kept
+    assert checkpoints_to_delete(acc, 1) == ["step-000010", "step-000030", "step-000040"]
+    assert checkpoints_to_delete({"step-000010": None, "step-000020": None}, 1) == ["step-000010"]
+    assert checkpoints_to_delete({"step-000010": 0.7, "step-000020": 0.7, "step-000030": 0.1}, 1) == ["step-000020"]
+
+
+def test_a_run_keeps_the_best_checkpoint_by_held_out_accuracy(toy, tmp_path):
+    import json
+
+    from conftest import write_jsonl
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.trainer import train
+
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", [{"prompt": p, "answer": "0"} for p in "abcdefghijklmnop"])
+    train(load_train_config(None, toy + [f"data.eval={held_out}", "run.steps=4", "run.save_every=1", "run.eval_every=1",
+                                         "rl.lr=3e-2", "run.keep_checkpoints=1", "run.name=keep"]),
+          log=lambda _: None, console=lambda _: None)
+    root = tmp_path / "runs" / "keep" / "checkpoints"
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "keep" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["eval_accuracy"] for r in rows]
+    best = accuracy.index(max(accuracy)) + 1  # the checkpoint of the k-th step is step-k
+    expected = sorted({f"step-{4:06d}", f"step-{best:06d}"})
+    assert sorted(p.name for p in root.glob("step-*")) == expected
+    assert json.loads((root / f"step-{best:06d}" / "state.json").read_text())["eval_accuracy"] == max(accuracy)

@@ -43,9 +43,27 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     atomic_write_text(root / "latest", final.name + "\n")
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    kept = {p.name: _eval_accuracy(p) for p in root.glob("step-*") if p.is_dir()}
+    for name in checkpoints_to_delete(kept, keep):
+        shutil.rmtree(root / name, ignore_errors=True)
     return final
+
+
+def _eval_accuracy(checkpoint: Path) -> float | None:
+    try:
+        return json.loads((checkpoint / "state.json").read_text()).get("eval_accuracy")
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoints_to_delete(accuracy: dict[str, float | None], keep: int) -> list[str]:
+    """Checkpoint names to remove: all but the newest `keep` (names sort by step) and the best
+    by held-out accuracy among those that were evaluated (the earliest of equals), which
+    stays whatever its age (run.keep_checkpoints)."""
+    names = sorted(accuracy)
+    scored = [n for n in names if accuracy[n] is not None]
+    best = max(scored, key=lambda n: (accuracy[n], -names.index(n))) if scored else None
+    return [n for n in names[:-keep] if n != best]
 
 
 def latest_checkpoint(run_dir: Path) -> Path:

@@ -406,8 +406,10 @@ def _checkpoint(s: RunState) -> None:
         return
     extra = None if s.drafter is None else (lambda tmp: s.drafter.save(tmp / "drafter"))
     try:
+        evaluated = s.history[-1].get("eval_accuracy") if s.history else None  # of these weights, if evaluated
         save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, s.optimizer, s.scheduler,
-                        {"weights_sha": weights_checksum(s.model)}, extra=extra)
+                        {"weights_sha": weights_checksum(s.model), "eval_accuracy": evaluated},
+                        keep=s.cfg.run.keep_checkpoints, extra=extra)
     except OSError as e:
         raise TrainingError(f"cannot write the checkpoint of step {s.step} into {s.run_dir / 'checkpoints'} "
                             f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
