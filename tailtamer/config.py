@@ -73,6 +73,8 @@ class RunConfig:
     eval_every: int = f(10, "greedy accuracy on the held-out split every N steps (0 = never)")
     save_every: int = f(10, "checkpoint every N steps (atomic; 0 = only at the end)")
     keep_checkpoints: int = f(2, "checkpoints kept: the newest N, plus the best by held-out accuracy")
+    log_samples_every: int = f(10, "every N steps, the first sample of the first 4 prompts to samples.jsonl "
+                                    "(and TensorBoard / W&B when on); 0 = never")
     seed: int = f(0, "seeds data order, sampling and initialisation")
     max_bad_steps: int = f(3, "stop (with a checkpoint) after this many NaN/inf losses in a row")
     loggers: tuple[str, ...] = f((), "extra loggers besides metrics.jsonl: tensorboard, wandb (offline unless WANDB_MODE)")
@@ -81,7 +83,7 @@ class RunConfig:
 
     def __post_init__(self):
         at_least(self, "run", 1, "steps", "keep_checkpoints")
-        at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers")
+        at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers", "log_samples_every")
         positive(self, "run", "dist_timeout_s")
         at_most(self, "run", 7 * 86400, "dist_timeout_s")
         if self.name is not None and (not self.name or Path(self.name).name != self.name or self.name in (".", "..")):

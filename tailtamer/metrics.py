@@ -30,6 +30,29 @@ class JsonlLogger:
         self.file.close()
 
 
+class SamplesLogger:
+    """samples.jsonl: what the model wrote, a row per logged sample with its step."""
+
+    def __init__(self, run_dir: Path, cfg_dict: dict):
+        self.file = open(run_dir / "samples.jsonl", "a", encoding="utf-8")
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        for sample in samples:
+            self.file.write(json.dumps({"step": step, **sample}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def samples_markdown(samples: list[dict]) -> str:
+    """A Markdown table of samples (TensorBoard renders text summaries as Markdown)."""
+    cell = lambda text: str(text).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+    lines = ["| prompt | response | reward | length |", "|---|---|---|---|"]
+    lines += [f"| {cell(x['prompt'])} | {cell(x['response'])} | {x['reward']:.3g} | {x['length']} |" for x in samples]
+    return "\n".join(lines)
+
+
 def _scalars(row: dict) -> dict[str, float]:
     return {k: float(v) for k, v in row.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
@@ -44,6 +67,10 @@ class TensorBoardLogger:
     def log(self, row: dict) -> None:
         for key, value in _scalars(row).items():
             self.writer.add_scalar(key, value, row["step"] + 1)
+        self.writer.flush()
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        self.writer.add_text("samples", samples_markdown(samples), step + 1)
         self.writer.flush()
 
     def close(self) -> None:
@@ -63,6 +90,13 @@ class WandbLogger:
 
     def log(self, row: dict) -> None:
         self.run.log(_scalars(row), step=row["step"] + 1)
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        import wandb
+
+        columns = ["prompt", "response", "reward", "length"]
+        self.run.log({"samples": wandb.Table(columns=columns, data=[[x[c] for c in columns] for x in samples])},
+                     step=step + 1)
 
     def close(self) -> None:
         self.run.finish()
@@ -92,7 +126,9 @@ class RunLog:
 
     def __init__(self, run_dir: Path, names: tuple[str, ...], cfg_dict: dict, steps: int, first_step: int,
                  console: Callable[[str], None] | None):
-        self.sinks = [JsonlLogger(run_dir, cfg_dict)] + [LOGGERS[n][0](run_dir, cfg_dict) for n in names]
+        loggers = [LOGGERS[n][0](run_dir, cfg_dict) for n in names]
+        self.sinks = [JsonlLogger(run_dir, cfg_dict)] + loggers
+        self.sample_sinks = [SamplesLogger(run_dir, cfg_dict)] + loggers
         self.steps = steps
         self.bar = None
         self.console = console
@@ -102,9 +138,12 @@ class RunLog:
             self.bar = tqdm(total=steps, initial=first_step, unit="step", dynamic_ncols=True, leave=False)
             self.console = self.bar.write
 
-    def log(self, row: dict) -> None:
+    def log(self, row: dict, samples: list[dict] = ()) -> None:
         for sink in self.sinks:
             sink.log(row)
+        if samples:
+            for sink in self.sample_sinks:
+                sink.log_samples(row["step"], samples)
         self.console(console_line(row, self.steps))
         if self.bar is not None:
             self.bar.update(1)
@@ -113,7 +152,7 @@ class RunLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        for sink in self.sinks:
+        for sink in [self.sample_sinks[0]] + self.sinks:
             sink.close()
 
 

@@ -195,6 +195,7 @@ def test_tensorboard_and_wandb_receive_every_step(toy, tmp_path, monkeypatch):
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
     fake.init = lambda **kw: started.update(kw) or types.SimpleNamespace(
         log=lambda row, step: logged.append((step, row)), finish=lambda: started.update(finished=True))
+    fake.Table = lambda columns, data: {"columns": columns, "data": data}
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     train(load_train_config(None, toy + ["run.steps=3", "run.loggers=[tensorboard,wandb]", "run.name=loggers"]),
@@ -202,11 +203,32 @@ def test_tensorboard_and_wandb_receive_every_step(toy, tmp_path, monkeypatch):
     run = tmp_path / "runs" / "loggers"
     rewards = [r["reward_mean"] for r in _rows(run)]
     assert started["mode"] == "offline" and started["finished"] and started["name"] == "loggers"
-    assert [(step, row["reward_mean"]) for step, row in logged] == list(zip([1, 2, 3], rewards))
+    assert [(step, row["reward_mean"]) for step, row in logged if "reward_mean" in row] == list(zip([1, 2, 3], rewards))
+    tables = [(step, row["samples"]) for step, row in logged if "samples" in row]
+    assert [step for step, _ in tables] == [1] and tables[0][1]["columns"] == ["prompt", "response", "reward", "length"]
+    assert len(tables[0][1]["data"]) == 4  # the first sample of each of the step's 4 prompts
     events = EventAccumulator(str(run / "tensorboard")).Reload()
     scalars = events.Scalars("reward_mean")
     assert [e.step for e in scalars] == [1, 2, 3]
     assert [e.value for e in scalars] == pytest.approx(rewards)
+    assert "samples/text_summary" in events.Tags()["tensors"]
+
+
+def test_samples_log_shows_what_the_model_wrote(toy, tmp_path):
+    import importlib.util
+
+    train(load_train_config(None, toy + ["run.steps=4", "run.log_samples_every=2", "run.name=samples"]),
+          log=lambda _: None, console=lambda _: None)
+    run = tmp_path / "runs" / "samples"
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in samples] == [0] * 4 + [1] * 4 + [3] * 4  # the first step, then every 2nd
+    spec = importlib.util.spec_from_file_location("toy_reward", tmp_path / "toy_reward.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for x in samples:
+        assert x["reward"] == module.odd_first_char(x["response"], "0")
+        assert x["prompt"] in {"ab", "cd", "ef", "gh"} and 0 <= x["length"] <= 3
+    assert all("samples" not in row for row in _rows(run))  # metrics.jsonl stays one line of numbers per step
 
 
 def test_adaptive_drafter_trains_in_the_window_and_is_checkpointed(toy, model_dir, tmp_path):

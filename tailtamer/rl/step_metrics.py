@@ -73,6 +73,7 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
         "lengths": [int(x) for x in lengths],
         "timeline": [[r, name, round(a - start, 4), round(b - start, 4)]
                      for r, p in enumerate(parts) for name, a, b in p["timeline"] if b > a],
+        "samples": sorted(every("samples"), key=lambda x: x["prompt_index"]),
     }
     if drafter:
         reports = [p["drafter"] for p in parts if p["drafter"] is not None]

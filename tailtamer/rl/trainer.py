@@ -200,6 +200,7 @@ def rl_step(s: RunState) -> dict:
         "preempt_s": max(0.0, spot_end - last_rollout_end) if drafter and drafter["steps"] and w.world > 1 else None,
         "buffer_dropped": s.drafter.buffer.dropped if s.drafter is not None else 0,
         "reward_failures": s.scorer.failures, "timeline": clock.spans,
+        "samples": sample_log(s, batch, completions, rewards, lo) if logs_samples(cfg, s.step) else [],
     }
     return merge_step_metrics(w.gather(mine), s.step, update, checksums, s.drafter is not None)
 
@@ -279,6 +280,28 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
     return {"loss": mean(losses), "kl": mean(kls) if s.ref_model is not None else None,
             "entropy": mean(entropies) if rl.entropy_coef else None, "clip_frac": mean(clip_fracs) or 0.0,
             "grad_norm": mean(grad_norms), "lr": s.scheduler.get_last_lr()[0], "skipped_updates": s.bad_steps}
+
+
+SAMPLES_LOGGED = 4  # prompts per logged step, the first sample of each
+
+
+def logs_samples(cfg: TrainConfig, step: int) -> bool:
+    """Whether step `step` (0-based; the console's step + 1) writes samples."""
+    every = cfg.run.log_samples_every
+    return every > 0 and ((step + 1) % every == 0 or step == 0)
+
+
+def sample_log(s: RunState, batch: list, completions: list, rewards: torch.Tensor, first: int) -> list[dict]:
+    """This worker's share of the samples a logged step shows: the first sample of each of the
+    step's first SAMPLES_LOGGED prompts that this worker rolled out."""
+    out = []
+    for c in completions:
+        if c.sample_index == 0 and first + c.prompt_index < SAMPLES_LOGGED:
+            out.append({"prompt_index": first + c.prompt_index,
+                        "prompt": s.tokenizer.decode(batch[c.prompt_index]["prompt_ids"], skip_special_tokens=False),
+                        "response": c.text, "reward": rewards[c.prompt_index, 0].item(),
+                        "length": len(c.token_ids), "finish_reason": c.finish_reason})
+    return out
 
 
 def check_same_weights(checksums: list[tuple], step: int) -> None:
@@ -479,10 +502,11 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                 s.step += 1
                 if evaluates and (s.step % cfg.run.eval_every == 0 or s.step == cfg.run.steps):
                     row["eval_accuracy"] = evaluate_greedy(s)
+                samples = row.pop("samples")
                 s.history.append(row)
                 if out is not None:
                     try:
-                        out.log(row)
+                        out.log(row, samples)
                     except OSError as e:
                         raise TrainingError(f"cannot write the metrics of step {s.step} into {s.run_dir} "
                                             f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
