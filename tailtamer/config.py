@@ -97,6 +97,10 @@ class DataConfig:
     n_builtin: int = f(4096, "built-in training problems")
     n_eval: int = f(64, "held-out prompts used per evaluation")
     max_prompt_tokens: int = f(256, "longer prompts are skipped (and counted), never truncated")
+    prompt_key: str | None = f(None, "column holding the prompt (text or chat messages); default: prompt, messages, "
+                                     "or a GSM8K question")
+    answer_key: str | None = f(None, "column holding the answer; default: answer (GSM8K '#### N' gives N) or "
+                                     "reward_model.ground_truth")
 
     def __post_init__(self):
         at_least(self, "data", 1, "n_builtin", "max_prompt_tokens")

@@ -101,3 +101,42 @@ def test_a_run_reports_skipped_prompts_and_a_bad_row_stops_it_before_any_work(to
     with pytest.raises(DataError, match=r"broken\.jsonl:2: row has no 'answer'"):
         train(cfg, log=lambda _: None)
     assert not (tmp_path / "runs" / "broken").exists()
+
+
+GSM8K_ROW = {"question": "Tom has 3 apples and buys 4. How many?",
+             "answer": "He has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}
+
+
+def test_raw_gsm8k_rows_column_mapping_and_content_parts(tmp_path):
+    tok = char_tokenizer()
+    rows, _ = load_task_rows(write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K_ROW, {**GSM8K_ROW, "answer": "x\n#### 1,250"}]),
+                             tok, 256)
+    assert rows == [{"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "7"},
+                    {"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "1250"}]
+    mapped = write_jsonl(tmp_path / "mapped.jsonl", [{"problem": "1+1=", "solution": 2, "prompt": "not this"}])
+    rows, _ = load_task_rows(mapped, tok, 256, prompt_key="problem", answer_key="solution")
+    assert rows == [{"prompt_ids": tok.encode("1+1="), "answer": "2"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "3?"}]}]
+    rows, _ = load_task_rows(write_jsonl(tmp_path / "parts.jsonl", [{"messages": parts, "answer": 5}]), tok, 256)
+    plain = [{"role": "user", "content": "2+3?"}]
+    assert rows[0]["prompt_ids"] == tok.encode(tok.apply_chat_template(plain, add_generation_prompt=True))
+
+
+@pytest.mark.parametrize("row, keys, message", [
+    ({"prompt": "a", "answer": "1"}, {"prompt_key": "question"}, "d.jsonl:1: no column 'question' (data.prompt_key)"),
+    ({"prompt": "a", "answer": "1"}, {"answer_key": "label"}, "d.jsonl:1: no column 'label' (data.answer_key)"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "answer": "1"}, {},
+     "d.jsonl:1: message 0 has a content part of type 'image_url'"),
+])
+def test_bad_columns_and_parts_name_the_file_row_and_key(tmp_path, row, keys, message):
+    with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_task_rows(write_jsonl(tmp_path / "d.jsonl", [row]), char_tokenizer(), 256, **keys)
+
+
+def test_a_raw_gsm8k_file_trains_with_math_rewards(model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K_ROW] * 4)
+    cfg = load_train_config(None, [f"run.model={model_dir}", f"data.train={data}", "rl.reward=math",
+                                   f"run.out_dir={tmp_path}", "run.steps=2", "run.eval_every=0", "spec.mode=off",
+                                   "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4"])
+    summary = train(cfg, log=lambda _: None, console=lambda _: None)
+    assert summary["steps"] == 2 and summary["reward_errors"] == 0 and summary["reward_timeouts"] == 0

@@ -53,23 +53,32 @@ def prompt_text(row: dict, tokenizer: Tokenizer, where: str) -> str:
 
 
 def _prompt_text(row: dict, tokenizer: Tokenizer, where: str) -> str:
+    if "prompt" not in row and "messages" not in row and isinstance(row.get("question"), str):
+        return _nonempty(row["question"], where, "question")  # a raw GSM8K row
     if "prompt" in row:
         prompt = row["prompt"]
         if isinstance(prompt, list):  # verl-style datasets keep chat messages under `prompt`
             return _chat(prompt, tokenizer, where)
         if not isinstance(prompt, str):
             raise DataError(f"{where}: field 'prompt' must be a string or a list of messages")
-        if not prompt:
-            raise DataError(f"{where}: field 'prompt' is empty")
-        return prompt
+        return _nonempty(prompt, where, "prompt")
     if "messages" in row:
         return _chat(row["messages"], tokenizer, where)
-    raise DataError(f"{where}: row has neither 'prompt' nor 'messages'")
+    raise DataError(f"{where}: row has neither 'prompt' nor 'messages' (nor a GSM8K 'question'); "
+                    f"data.prompt_key names another column")
+
+
+def _nonempty(text: str, where: str, field: str) -> str:
+    if not text:
+        raise DataError(f"{where}: field '{field}' is empty")
+    return text
 
 
 def _chat(messages, tokenizer: Tokenizer, where: str) -> str:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: 'messages' must be a non-empty list")
+    messages = [{**m, "content": _content_text(m.get("content"), where, i)} if isinstance(m, dict) else m
+                for i, m in enumerate(messages)]
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(f"{where}: message {i} needs string fields 'role' and 'content'")
@@ -77,6 +86,33 @@ def _chat(messages, tokenizer: Tokenizer, where: str) -> str:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except DataError as e:
         raise DataError(f"{where}: {e}") from None
+
+
+def _content_text(content, where: str, i: int):
+    """A message's content as text: a string as is, or OpenAI-style parts
+    [{"type": "text", "text": ...}, ...] joined (other part types have no text to give)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise DataError(f"{where}: message {i} has a content part of type {kind!r}; only text parts are supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def map_columns(row: dict, prompt_key: str | None, answer_key: str | None, where: str) -> dict:
+    """The row with `data.prompt_key` / `data.answer_key` read as `prompt` / `answer` (a
+    string column is a prompt, a list one chat messages); a missing column names the key."""
+    out = dict(row)
+    for key, field, setting in ((prompt_key, "prompt", "data.prompt_key"), (answer_key, "answer", "data.answer_key")):
+        if key is None:
+            continue
+        if key not in row:
+            raise DataError(f"{where}: no column {key!r} ({setting}); the row has {sorted(k for k in row if k != '_row')}")
+        out[field] = row[key]
+    return out
 
 
 def load_prompts(path: str | Path, tokenizer: Tokenizer) -> tuple[list[dict], list[list[int]]]:
@@ -118,9 +154,13 @@ def read_rows(path: str | Path) -> list[dict]:
 def row_answer(row: dict, where: str) -> str:
     """`answer`, or verl-style `reward_model.ground_truth`, as the text a reward compares with:
     a non-empty string or a number (a whole float, as a parquet column of integers with a
-    gap becomes, is written as the integer: 14.0 -> '14')."""
+    gap becomes, is written as the integer: 14.0 -> '14'). A GSM8K answer (worked solution,
+    then `#### N`) gives N."""
     if row.get("answer") is not None:
-        return _answer_text(row["answer"], where, "answer")
+        answer = row["answer"]
+        if isinstance(answer, str) and "####" in answer:
+            answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
+        return _answer_text(answer, where, "answer")
     truth = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
     if truth is not None:
         return _answer_text(truth, where, "reward_model.ground_truth")
@@ -139,11 +179,13 @@ def _answer_text(value, where: str, field: str) -> str:
     return str(value)
 
 
-def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: int) -> tuple[list[dict], int]:
+def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: int,
+                   prompt_key: str | None = None, answer_key: str | None = None) -> tuple[list[dict], int]:
     """Rows {prompt_ids, answer} for RL, and how many prompts were skipped as too long."""
     rows, skipped = [], 0
     for row in read_rows(path):
         where = f"{path}:{row['_row']}"
+        row = map_columns(row, prompt_key, answer_key, where)
         ids = tokenizer.encode(prompt_text(row, tokenizer, where))
         answer = row_answer(row, where)
         if len(ids) > max_prompt_tokens:

@@ -349,10 +349,10 @@ def _datasets(cfg: TrainConfig, tokenizer, limit: int):
         evals = rows(task.dataset(cfg.data.n_eval, seed=HELD_OUT_SEED)) if cfg.data.eval is None else None
         skipped = 0
     else:
-        train, skipped = load_task_rows(cfg.data.train, tokenizer, limit)
+        train, skipped = load_task_rows(cfg.data.train, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         evals = []
     if cfg.data.eval is not None:
-        evals, more = load_task_rows(cfg.data.eval, tokenizer, limit)
+        evals, more = load_task_rows(cfg.data.eval, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         skipped += more
     return train, evals[: cfg.data.n_eval], skipped
 
