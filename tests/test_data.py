@@ -140,3 +140,18 @@ def test_a_raw_gsm8k_file_trains_with_math_rewards(model_dir, tmp_path):
                                    "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4"])
     summary = train(cfg, log=lambda _: None, console=lambda _: None)
     assert summary["steps"] == 2 and summary["reward_errors"] == 0 and summary["reward_timeouts"] == 0
+
+
+def test_a_file_without_eval_prompts_holds_some_out_and_says_so(model_dir, tmp_path):
+    from tailtamer.rl.trainer import prepare, setup
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(40)])
+    base = [f"run.model={model_dir}", f"data.train={data}", f"run.out_dir={tmp_path}", "spec.mode=off", "data.n_eval=8"]
+    logs = []
+    s = setup(prepare(load_train_config(None, base + ["run.eval_every=5", "run.name=a"])), log=logs.append)
+    assert len(s.eval_rows) == 4 and len(s.train_rows) == 36  # at most a tenth of the file
+    train_ids = {tuple(r["prompt_ids"]) for r in s.train_rows}
+    assert not train_ids & {tuple(r["prompt_ids"]) for r in s.eval_rows}
+    assert any("holding out 4 of the 40 prompts" in line and "data.eval" in line for line in logs)
+    s = setup(prepare(load_train_config(None, base + ["run.eval_every=0", "run.name=b"])), log=lambda _: None)
+    assert len(s.train_rows) == 40 and not s.eval_rows  # no evaluation: every prompt trains

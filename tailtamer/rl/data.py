@@ -196,3 +196,13 @@ def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: in
         raise DataError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens (data.max_prompt_tokens "
                         f"or the model's context)")
     return rows, skipped
+
+
+def held_out_split(rows: list, n: int, seed: int) -> tuple[list, list]:
+    """(training rows, held-out rows): `n` rows drawn at random (by `seed`), at most a tenth of
+    the file, for a file dataset given without data.eval; the rest keep their order."""
+    import random
+
+    k = min(n, len(rows) // 10)
+    held = set(random.Random(f"held-out/{seed}").sample(range(len(rows)), k))
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]

@@ -40,7 +40,7 @@ from tailtamer.rl import grpo
 from tailtamer.rl.batching import (Samples, minibatch_of, needed_width, response_batch, token_budget_chunks,
                                    update_plan)
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from tailtamer.rl.data import load_task_rows
+from tailtamer.rl.data import held_out_split, load_task_rows
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import RewardScorer, merge_failures
 from tailtamer.rl.run_dir import DEFAULT_NAME, claim_run_dir, keep_metrics_before, record_resume, resume_changes
@@ -336,7 +336,7 @@ def prompt_limit(cfg: TrainConfig, context: int) -> int:
     return min(cfg.data.max_prompt_tokens, context - 1)
 
 
-def _datasets(cfg: TrainConfig, tokenizer, limit: int):
+def _datasets(cfg: TrainConfig, tokenizer, limit: int, log) -> tuple[list, list, int]:
     """(train rows, eval rows, prompts skipped as longer than `limit` tokens)."""
     if cfg.data.train == "builtin":
         from tailtamer.demo import HELD_OUT_SEED
@@ -351,6 +351,12 @@ def _datasets(cfg: TrainConfig, tokenizer, limit: int):
     else:
         train, skipped = load_task_rows(cfg.data.train, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         evals = []
+        if cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
+            train, evals = held_out_split(train, cfg.data.n_eval, cfg.run.seed)
+            if evals:
+                log(f"data.eval not given: holding out {len(evals)} of the {len(train) + len(evals)} prompts of "
+                    f"{cfg.data.train} for evaluation (data.n_eval, at most a tenth; give data.eval=FILE, or "
+                    f"run.eval_every=0 to train on all)")
     if cfg.data.eval is not None:
         evals, more = load_task_rows(cfg.data.eval, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         skipped += more
@@ -383,7 +389,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     tokenizer = load_tokenizer(model_dir)
     model_cfg = load_config(model_dir)
     check_tokenizer_fits(tokenizer, model_cfg, model_dir)
-    train_rows, eval_rows, skipped = _datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings))
+    train_rows, eval_rows, skipped = _datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings), log)
     prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
     if prompts < workers.world:
         raise ConfigError(f"run.workers: {workers.world} workers but only {prompts} prompts per step "
