@@ -1,6 +1,7 @@
 """Rewards: built-in, user functions, and failures that score 0 without stopping the run."""
 
 import importlib.util
+import json
 import time
 
 import pytest
@@ -125,3 +126,56 @@ def test_math_reward():
     fn = resolve_reward("math")
     assert fn("so the answer is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
     assert fn("\\boxed{3}", "4") == 0.0
+
+
+VERL_REWARD = '''
+import json, os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open(os.environ["SEEN_FILE"], "a") as f:
+        f.write(json.dumps({"data_source": data_source, "ground_truth": ground_truth, "extra_info": extra_info}) + "\\n")
+    return {"score": float(solution_str.startswith("a")), "acc": 1.0}
+'''
+
+
+def test_verl_compute_score_gets_the_rows_fields_intact(model_dir, tmp_path, monkeypatch):
+    """A verl-style parquet (prompt as chat messages, reward_model.ground_truth, data_source,
+    extra_info) and verl's compute_score file train unchanged."""
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.trainer import train
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"q{i}"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"split": "train", "index": i}}
+            for i in range(4)]
+    data = tmp_path / "train.parquet"
+    pd.DataFrame(rows).to_parquet(data)
+    (tmp_path / "verl_reward.py").write_text(VERL_REWARD)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("SEEN_FILE", str(seen))
+    cfg = load_train_config(None, [f"run.model={model_dir}", f"data.train={data}", f"run.out_dir={tmp_path}",
+                                   f"rl.reward={tmp_path / 'verl_reward.py'}:compute_score", "run.steps=2",
+                                   "run.eval_every=0", "spec.mode=off", "rollout.prompts_per_step=4",
+                                   "rollout.group_size=2", "rollout.max_new_tokens=3"])
+    summary = train(cfg, log=lambda _: None, console=lambda _: None)
+    assert summary["reward_errors"] == 0
+    calls = [json.loads(x) for x in seen.read_text().splitlines()]
+    assert len(calls) == 2 * 4 * 2  # steps x prompts x samples
+    for call in calls:
+        i = int(call["ground_truth"])
+        assert call["data_source"] == "openai/gsm8k" and call["extra_info"] == {"split": "train", "index": i}
+
+
+def test_a_reward_with_another_signature_is_a_start_up_error(tmp_path):
+    (tmp_path / "bad.py").write_text("def score(a, b, c):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match=r"takes neither form; accepted: fn\(response, answer\), or verl's"):
+        RewardScorer(f"{tmp_path / 'bad.py'}:score")
+
+
+def test_a_dict_reward_needs_a_score():
+    from tailtamer.rl.rewards import NotANumber, check_reward_value
+
+    assert check_reward_value({"score": 0.5, "acc": 1}) == 0.5
+    with pytest.raises(NotANumber, match="without 'score'"):
+        check_reward_value({"acc": 1.0})

@@ -179,6 +179,10 @@ def _answer_text(value, where: str, field: str) -> str:
     return str(value)
 
 
+# Row fields a reward function receives besides the response and the answer (verl's names).
+CONTEXT_FIELDS = ("data_source", "extra_info")
+
+
 def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: int,
                    prompt_key: str | None = None, answer_key: str | None = None) -> tuple[list[dict], int]:
     """Rows {prompt_ids, answer} for RL, and how many prompts were skipped as too long."""
@@ -191,7 +195,8 @@ def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: in
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
-        rows.append({"prompt_ids": ids, "answer": answer})
+        context = {k: row[k] for k in CONTEXT_FIELDS if k in row}
+        rows.append({"prompt_ids": ids, "answer": answer, **({"context": context} if context else {})})
     if not rows:
         raise DataError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens (data.max_prompt_tokens "
                         f"or the model's context)")

@@ -42,10 +42,11 @@ def main(read_fd: int, write_fd: int) -> None:
     # ./myreward.py whether the trainer runs as `tailtamer` or `python -m tailtamer`.
     sys.path[:] = [os.getcwd()] + [p for p in path if p not in ("", os.getcwd())]
     from tailtamer.errors import ConfigError
-    from tailtamer.rl.rewards import NotANumber, check_reward_value, resolve_reward
+    from tailtamer.rl.rewards import NotANumber, check_reward_value, resolve_reward, reward_caller
 
     try:
         fn = resolve_reward(spec) if isinstance(spec, str) else pickle.loads(spec)
+        call = reward_caller(fn, spec if isinstance(spec, str) else getattr(fn, "__name__", "function"))
     except ConfigError as e:
         outbox.send(("config", str(e)))
         return
@@ -59,9 +60,9 @@ def main(read_fd: int, write_fd: int) -> None:
             _, items = inbox.recv()
         except EOFError:
             return
-        for response, answer in items:
+        for response, answer, context in items:
             try:
-                outbox.send(("ok", check_reward_value(fn(response, answer))))
+                outbox.send(("ok", check_reward_value(call(response, answer, context))))
             except NotANumber as e:
                 outbox.send(("not a number", f"the reward {e}"))
             except BaseException as e:  # user code can fail in any way: one sample scores 0, counted

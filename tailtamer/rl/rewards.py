@@ -1,6 +1,9 @@
 """Verifiable rewards: the built-in task's, a math-verify reward, and user functions.
 
-A reward function is `fn(response: str, answer: str) -> float`. Rewards are user code, so
+A reward function is `fn(response: str, answer: str) -> float`, or verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info=None)` returning a float or
+a dict with `score` (called with the row's `data_source` and `extra_info`; `reward_caller`
+tells the two apart by their parameter names). Rewards are user code, so
 they run in a separate process (`RewardScorer`): one that raises, returns something that is
 not a finite number, runs past the timeout, or kills its process (`os._exit`, a segfault)
 scores 0 for that sample; the failure is counted by kind with its first message, and the run
@@ -76,6 +79,40 @@ def resolve_reward(spec: str) -> Callable[[str, str], float]:
     return load_user_reward(spec)
 
 
+ACCEPTED_SIGNATURES = ("fn(response, answer), or verl's compute_score(data_source, solution_str, ground_truth, "
+                       "extra_info=None)")
+
+
+def reward_caller(fn: Callable, name: str) -> Callable[[str, str, dict], object]:
+    """`call(response, answer, context)` for a reward function, chosen once from its signature:
+    verl's keywords when it names `solution_str` and `ground_truth` (`data_source` and
+    `extra_info` come from the row's context), else two positional arguments. Any other
+    signature is a ConfigError naming the accepted ones."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without an introspectable signature
+        return lambda response, answer, context: fn(response, answer)
+    params = sig.parameters
+    if "solution_str" in params and "ground_truth" in params:
+        wanted = {"data_source", "solution_str", "ground_truth", "extra_info"}
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        names = wanted if takes_all else wanted & set(params)
+
+        def verl(response, answer, context):
+            given = {"data_source": context.get("data_source"), "solution_str": response, "ground_truth": answer,
+                     "extra_info": context.get("extra_info")}
+            return fn(**{k: v for k, v in given.items() if k in names})
+        return verl
+    try:
+        sig.bind("response", "answer")
+    except TypeError:
+        raise ConfigError(f"rl.reward {name}: its signature {sig} takes neither form; accepted: "
+                          f"{ACCEPTED_SIGNATURES}") from None
+    return lambda response, answer, context: fn(response, answer)
+
+
 class NotANumber(ValueError):
     """A reward function returned something other than a finite number."""
 
@@ -83,6 +120,10 @@ class NotANumber(ValueError):
 def check_reward_value(value) -> float:
     """The reward as a float, or NotANumber: a number (bool counts: `return answer == x`) that
     is finite. A string such as '0.5' is refused, not parsed: it is a bug in the function."""
+    if isinstance(value, dict):  # verl's reward functions may return {"score": ..., other metrics}
+        if "score" not in value:
+            raise NotANumber(f"returned a dict without 'score' (keys {sorted(value)[:5]})")
+        value = value["score"]
     if isinstance(value, bool):
         return float(value)
     if not hasattr(value, "__float__") or isinstance(value, (str, bytes)):
@@ -157,8 +198,10 @@ class RewardScorer:
 
     # --- scoring ----------------------------------------------------------------------------
 
-    def score_batch(self, items: list[tuple[str, str]]) -> list[tuple[float, bool]]:
-        """[(reward, ok)] for (response, answer) pairs, in order; a failed call gives (0.0, False)."""
+    def score_batch(self, items: list[tuple]) -> list[tuple[float, bool]]:
+        """[(reward, ok)] for (response, answer) or (response, answer, row context) items, in
+        order; a failed call gives (0.0, False)."""
+        items = [(item[0], item[1], item[2] if len(item) > 2 else {}) for item in items]
         out: list[tuple[float, bool]] = []
         while len(out) < len(items):
             if self._conn is None:

@@ -67,8 +67,8 @@ def step_prompts(rows: list, seed: int, step: int, k: int) -> list:
     return random.Random(f"{seed}/{step}").sample(rows, min(k, len(rows)))
 
 
-def score_rewards(s: RunState, items: list[tuple[str, str]]) -> torch.Tensor:
-    """This worker's rewards for (response, answer) pairs, 0 where the reward failed. If every
+def score_rewards(s: RunState, items: list[tuple[str, str, dict]]) -> torch.Tensor:
+    """This worker's rewards for (response, answer, row context) items, 0 where the reward failed. If every
     sample of the step failed on every worker, StepAborted: all-zero rewards teach nothing
     and a run that trains on them hides the bug."""
     scored = s.scorer.score_batch(items)
@@ -134,7 +134,8 @@ def rl_step(s: RunState) -> dict:
 
     # 3. Rewards (a failing reward scores 0 and is counted; when every one fails the run
     #    stops here, before the update), with the optional overlong penalty.
-    correct = score_rewards(s, [(c.text, batch[c.prompt_index]["answer"]) for c in completions])
+    correct = score_rewards(s, [(c.text, batch[c.prompt_index]["answer"], batch[c.prompt_index].get("context", {}))
+                                for c in completions])
     rewards = correct.view(len(batch), roll.group_size).clone()
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float)
     if rl.overlong == "penalty":
@@ -324,7 +325,8 @@ def evaluate_greedy(s: RunState) -> float | None:
     if hi > lo:
         params = SamplingParams(temperature=0, max_new_tokens=s.cfg.rollout.max_new_tokens)
         completions, _ = s.engine.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
-        scored = s.scorer.score_batch([(c.text, rows[lo + c.prompt_index]["answer"]) for c in completions])
+        scored = s.scorer.score_batch([(c.text, rows[lo + c.prompt_index]["answer"],
+                                        rows[lo + c.prompt_index].get("context", {})) for c in completions])
         correct = sum(value for value, _ in scored)
     s.workers.wait_for_all("eval")  # shards take unequal time: no collective timeout while waiting
     return s.workers.sum(torch.tensor(float(correct))).item() / len(rows)
