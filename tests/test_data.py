@@ -155,3 +155,15 @@ def test_a_file_without_eval_prompts_holds_some_out_and_says_so(model_dir, tmp_p
     assert any("holding out 4 of the 40 prompts" in line and "data.eval" in line for line in logs)
     s = setup(prepare(load_train_config(None, base + ["run.eval_every=0", "run.name=b"])), log=lambda _: None)
     assert len(s.train_rows) == 40 and not s.eval_rows  # no evaluation: every prompt trains
+
+
+def test_content_parts_read_from_parquet(tmp_path):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    tok = char_tokenizer()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "3?"}]}]
+    path = tmp_path / "d.parquet"
+    pd.DataFrame([{"prompt": parts, "answer": "5"}]).to_parquet(path)  # nested lists come back as arrays
+    rows, _ = load_task_rows(path, tok, 256)
+    plain = [{"role": "user", "content": "2+3?"}]
+    assert rows[0]["prompt_ids"] == tok.encode(tok.apply_chat_template(plain, add_generation_prompt=True))

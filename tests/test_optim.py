@@ -47,10 +47,16 @@ def test_checkpoints_kept_are_the_newest_and_the_best_evaluated():
     from tailtamer.rl.checkpoint import checkpoints_to_delete
 
     acc = {"step-000010": 0.5, "step-000020": 0.7, "step-000030": None, "step-000040": 0.6, "step-000050": None}
-    assert checkpoints_to_delete(acc, 2) == ["step-000010", "step-000030"]  # 20 is the best: kept
-    assert checkpoints_to_delete(acc, 1) == ["step-000010", "step-000030", "step-000040"]
-    assert checkpoints_to_delete({"step-000010": None, "step-000020": None}, 1) == ["step-000010"]
-    assert checkpoints_to_delete({"step-000010": 0.7, "step-000020": 0.7, "step-000030": 0.1}, 1) == ["step-000020"]
+    assert checkpoints_to_delete(acc, 2, "step-000050") == ["step-000010", "step-000030"]  # 20 is the best: kept
+    assert checkpoints_to_delete(acc, 1, "step-000050") == ["step-000010", "step-000030", "step-000040"]
+    assert checkpoints_to_delete({"step-000010": None, "step-000020": None}, 1, "step-000020") == ["step-000010"]
+    ties = {"step-000010": 0.7, "step-000020": 0.7, "step-000030": 0.1}
+    assert checkpoints_to_delete(ties, 1, "step-000030") == ["step-000020"]
+    # resumed from step 20 with newer leftovers: the one just written is never deleted, the leftovers go
+    assert checkpoints_to_delete({"step-000010": None, "step-000020": None, "step-000030": None,
+                                  "step-000040": None}, 2, "step-000020") == ["step-000030", "step-000040"]
+    # by step number, not by name: step 1000000 is newer than 999999
+    assert checkpoints_to_delete({"step-999999": None, "step-1000000": None}, 1, "step-1000000") == ["step-999999"]
 
 
 def test_a_run_keeps_the_best_checkpoint_by_held_out_accuracy(toy, tmp_path):
@@ -71,3 +77,17 @@ def test_a_run_keeps_the_best_checkpoint_by_held_out_accuracy(toy, tmp_path):
     expected = sorted({f"step-{4:06d}", f"step-{best:06d}"})
     assert sorted(p.name for p in root.glob("step-*")) == expected
     assert json.loads((root / f"step-{best:06d}" / "state.json").read_text())["eval_accuracy"] == max(accuracy)
+
+
+def test_a_resume_takes_changed_optimizer_settings_from_the_config(toy, tmp_path):
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.trainer import prepare, setup, train
+
+    train(load_train_config(None, toy + ["run.steps=2", "run.save_every=2", "rl.lr=1e-3", "rl.warmup=0",
+                                         "run.name=r"]), log=lambda _: None, console=lambda _: None)
+    run = tmp_path / "runs" / "r"
+    cfg = load_train_config(run / "config.yaml", ["run.steps=4", "rl.lr=5e-4", "rl.adam_beta2=0.95"])
+    s = setup(prepare(cfg), resume=run, log=lambda _: None)
+    group = s.optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(5e-4) and group["betas"] == (0.9, 0.95)
+    assert s.optimizer.state  # the moments came back with the checkpoint

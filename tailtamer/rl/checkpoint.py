@@ -44,7 +44,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
         raise
     atomic_write_text(root / "latest", final.name + "\n")
     kept = {p.name: _eval_accuracy(p) for p in root.glob("step-*") if p.is_dir()}
-    for name in checkpoints_to_delete(kept, keep):
+    for name in checkpoints_to_delete(kept, keep, final.name):
         shutil.rmtree(root / name, ignore_errors=True)
     return final
 
@@ -56,14 +56,19 @@ def _eval_accuracy(checkpoint: Path) -> float | None:
         return None
 
 
-def checkpoints_to_delete(accuracy: dict[str, float | None], keep: int) -> list[str]:
-    """Checkpoint names to remove: all but the newest `keep` (names sort by step) and the best
-    by held-out accuracy among those that were evaluated (the earliest of equals), which
-    stays whatever its age (run.keep_checkpoints)."""
-    names = sorted(accuracy)
-    scored = [n for n in names if accuracy[n] is not None]
-    best = max(scored, key=lambda n: (accuracy[n], -names.index(n))) if scored else None
-    return [n for n in names[:-keep] if n != best]
+def checkpoints_to_delete(accuracy: dict[str, float | None], keep: int, current: str) -> list[str]:
+    """Checkpoint names to remove: all but the newest `keep` up to `current` (the one just
+    written, which `latest` names; by step number), and the best by held-out accuracy among
+    those that were evaluated (the earliest of equals), which stays whatever its age
+    (run.keep_checkpoints). Checkpoints newer than `current` are left over from a run resumed
+    from an earlier one, and go."""
+    step = lambda name: int(name.rsplit("-", 1)[1])  # noqa: E731
+    names = sorted(accuracy, key=step)
+    now = [n for n in names if step(n) <= step(current)]
+    scored = [n for n in now if accuracy[n] is not None]
+    best = max(scored, key=lambda n: (accuracy[n], -step(n))) if scored else None
+    keep_names = set(now[-keep:]) | {best, current}
+    return [n for n in names if n not in keep_names]
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -83,10 +88,19 @@ def load_checkpoint(path: Path, optimizer_factory, dtype="float32"):
     """(model, optimizer, scheduler, state) from a checkpoint directory."""
     model = load_model(path, dtype)
     optimizer, scheduler = optimizer_factory(model)
+    # The run's config may have changed its optimizer settings (recorded in resumes.jsonl):
+    # the saved state brings back moments and the step, the config the hyperparameters.
+    settings = [{k: g[k] for k in ("betas", "eps", "weight_decay", "initial_lr") if k in g}
+                for g in optimizer.param_groups]
+    base_lrs = list(scheduler.base_lrs)
     try:
         blob = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         optimizer.load_state_dict(blob["optimizer"])
         scheduler.load_state_dict(blob["scheduler"])
+        scheduler.base_lrs = base_lrs
+        for group, given, factor in zip(optimizer.param_groups, settings, scheduler.lr_lambdas):
+            group.update(given)
+            group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)
     except Exception as e:  # torch.load raises many types for a torn or foreign file
         raise CheckpointError(f"{path / 'optimizer.pt'}: cannot restore the optimizer "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -91,6 +91,8 @@ def _chat(messages, tokenizer: Tokenizer, where: str) -> str:
 def _content_text(content, where: str, i: int):
     """A message's content as text: a string as is, or OpenAI-style parts
     [{"type": "text", "text": ...}, ...] joined (other part types have no text to give)."""
+    if hasattr(content, "tolist") and not isinstance(content, str):
+        content = content.tolist()  # parquet gives nested lists as arrays
     if not isinstance(content, list):
         return content
     texts = []

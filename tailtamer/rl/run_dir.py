@@ -141,8 +141,9 @@ def record_resume(run_dir: Path, step: int, cfg_dict: dict, changes: dict, log) 
 
 
 def keep_metrics_before(path: Path, step: int, log) -> list[dict]:
-    """On resume, drop rows the interrupted run logged after its last checkpoint, and lines a
-    kill left torn (a row is written in one piece, so only the last line can be)."""
+    """On resume, drop rows (of metrics.jsonl or samples.jsonl) the interrupted run logged
+    after its last checkpoint, and lines a kill left torn (a row is written in one piece, so
+    only the last line can be)."""
     if not path.is_file():
         return []
     rows, torn = [], 0

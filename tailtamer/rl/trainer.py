@@ -489,6 +489,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
         else:
             record_resume(s.run_dir, s.step, to_dict(cfg), changes, log)
         s.history = keep_metrics_before(s.run_dir / "metrics.jsonl", s.step, log)
+        keep_metrics_before(s.run_dir / "samples.jsonl", s.step, log)
     if s.skipped_prompts:
         limit = prompt_limit(cfg, s.model.config.max_position_embeddings)
         log(f"skipped {s.skipped_prompts} prompts longer than {limit} tokens (data.max_prompt_tokens="
