@@ -168,9 +168,13 @@ def test_verl_compute_score_gets_the_rows_fields_intact(model_dir, tmp_path, mon
 
 
 def test_a_reward_with_another_signature_is_a_start_up_error(tmp_path):
-    (tmp_path / "bad.py").write_text("def score(a, b, c):\n    return 1.0\n")
+    (tmp_path / "bad.py").write_text("def score(a, b, c):\n    return 1.0\n"
+                                     "def compute_score(data_source, solution_str, ground_truth, extra_info, url):\n"
+                                     "    return 1.0\n")
     with pytest.raises(ConfigError, match=r"takes neither form; accepted: fn\(response, answer\), or verl's"):
         RewardScorer(f"{tmp_path / 'bad.py'}:score")
+    with pytest.raises(ConfigError, match=r"needs arguments tailtamer does not have; accepted: fn\(response"):
+        RewardScorer(f"{tmp_path / 'bad.py'}:compute_score")
 
 
 def test_a_dict_reward_needs_a_score():

@@ -99,6 +99,11 @@ def reward_caller(fn: Callable, name: str) -> Callable[[str, str, dict], object]
         wanted = {"data_source", "solution_str", "ground_truth", "extra_info"}
         takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
         names = wanted if takes_all else wanted & set(params)
+        try:
+            sig.bind(**{k: None for k in names})
+        except TypeError:
+            raise ConfigError(f"rl.reward {name}: its signature {sig} needs arguments tailtamer does not have; "
+                              f"accepted: {ACCEPTED_SIGNATURES}") from None
 
         def verl(response, answer, context):
             given = {"data_source": context.get("data_source"), "solution_str": response, "ground_truth": answer,
