@@ -104,9 +104,9 @@ def profile_rl(steps: int = 6, overrides: tuple[str, ...] = (), out_dir: str = "
 
 def profile_update(model_dir, repeats: int = 3) -> dict:
     """The policy update's throughput against the CPU's: one default step's samples (16 prompts
-    x 8 at T=1 from the base model, one worker), timed three ways, in real (prompt + response)
+    x 8 at T=1 from the base model, one worker), timed four ways, in real (prompt + response)
     tokens per second: the update as `rl_step` runs it (micro-batch forwards, loss, backward,
-    AdamW; `update_policy`), the same micro-batches' forward+backward alone, and one forward+
+    AdamW; `update_policy`), the same micro-batches' forward+backward alone, one forward+
     backward of every sample padded to the longest in a single batch, and one forward+backward
     of as many tokens in dense rows (what this CPU does for that many tokens, no padding)."""
     from types import SimpleNamespace
@@ -141,23 +141,18 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
     state = SimpleNamespace(cfg=cfg, workers=Workers(), model=model, optimizer=optimizer, scheduler=scheduler,
                             ref_model=None, bad_steps=0)
 
-    def dense_fwd_bwd(batch):
-        logits, _ = model(batch)
-        logits.logsumexp(-1).mean().backward()
-        model.zero_grad(set_to_none=True)
-
-    def fwd_bwd(rows_widths):
-        for rows, width in rows_widths:
-            logits, _ = model(ids[rows, :width])
+    def fwd_bwd(batches):
+        for batch_ids in batches:
+            logits, _ = model(batch_ids)
             logits.logsumexp(-1).mean().backward()
         model.zero_grad(set_to_none=True)
 
-    micro = [(m.rows, m.width) for minibatch in plan for m in minibatch]
+    micro = [ids[m.rows, : m.width] for minibatch in plan for m in minibatch]
     dense = torch.randint(0, model.config.vocab_size, (tokens // 64, 64))
     arms = {"update (update_policy)": lambda: update_policy(state, samples, plan, old, {}),
             "its micro-batches, forward+backward only": lambda: fwd_bwd(micro),
-            "one padded batch, forward+backward": lambda: fwd_bwd([(torch.arange(n), ids.shape[1])]),
-            "as many tokens in dense 64-token rows, forward+backward": lambda: dense_fwd_bwd(dense)}
+            "one padded batch, forward+backward": lambda: fwd_bwd([ids]),
+            "as many tokens in dense 64-token rows, forward+backward": lambda: fwd_bwd([dense])}
     times: dict[str, list[float]] = {k: [] for k in arms}
     for _ in range(repeats):
         for name, run in arms.items():
@@ -166,7 +161,7 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
             times[name].append(time.perf_counter() - t0)
     model.eval()
     return {"samples": n, "tokens": tokens, "padded_width": ids.shape[1],
-            "micro_batch_padded_tokens": sum(len(rows) * width for rows, width in micro),
+            "micro_batch_padded_tokens": sum(x.numel() for x in micro),
             "micro_batches": len(micro), "optimizer_steps": rl.minibatches,
             "tokens_per_s": {k: round(tokens / statistics.median(v)) for k, v in times.items()},
             "seconds": {k: round(statistics.median(v), 3) for k, v in times.items()}}

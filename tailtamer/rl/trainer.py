@@ -67,6 +67,12 @@ def step_prompts(rows: list, seed: int, step: int, k: int) -> list:
     return random.Random(f"{seed}/{step}").sample(rows, min(k, len(rows)))
 
 
+def reward_items(rows: list[dict], completions: list) -> list[tuple[str, str, dict]]:
+    """(response, answer, row context) per completion of `rows` (completion prompt indices
+    count within `rows`), as the reward scorer takes them."""
+    return [(c.text, rows[c.prompt_index]["answer"], rows[c.prompt_index].get("context", {})) for c in completions]
+
+
 def score_rewards(s: RunState, items: list[tuple[str, str, dict]]) -> torch.Tensor:
     """This worker's rewards for (response, answer, row context) items, 0 where the reward failed. If every
     sample of the step failed on every worker, StepAborted: all-zero rewards teach nothing
@@ -134,8 +140,7 @@ def rl_step(s: RunState) -> dict:
 
     # 3. Rewards (a failing reward scores 0 and is counted; when every one fails the run
     #    stops here, before the update), with the optional overlong penalty.
-    correct = score_rewards(s, [(c.text, batch[c.prompt_index]["answer"], batch[c.prompt_index].get("context", {}))
-                                for c in completions])
+    correct = score_rewards(s, reward_items(batch, completions))
     rewards = correct.view(len(batch), roll.group_size).clone()
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float)
     if rl.overlong == "penalty":
@@ -325,8 +330,7 @@ def evaluate_greedy(s: RunState) -> float | None:
     if hi > lo:
         params = SamplingParams(temperature=0, max_new_tokens=s.cfg.rollout.max_new_tokens)
         completions, _ = s.engine.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
-        scored = s.scorer.score_batch([(c.text, rows[lo + c.prompt_index]["answer"],
-                                        rows[lo + c.prompt_index].get("context", {})) for c in completions])
+        scored = s.scorer.score_batch(reward_items(rows[lo:hi], completions))
         correct = sum(value for value, _ in scored)
     s.workers.wait_for_all("eval")  # shards take unequal time: no collective timeout while waiting
     return s.workers.sum(torch.tensor(float(correct))).item() / len(rows)
