@@ -126,13 +126,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the JSON report here")
     args = parser.parse_args(argv)
 
-    from tailtamer.rl.trainer import step_prompts
+    from tailtamer.rl.data import PromptOrder
     from tailtamer.sft import SFTConfig, ensure_base_model
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
     model_dir = ensure_base_model(SFTConfig())
     problems = ArithmeticTask().dataset(args.steps * args.prompts * 4, seed=args.seed + 17)
-    step_batches = [step_prompts(problems, args.seed, s, args.prompts) for s in range(args.steps)]
+    order = PromptOrder(len(problems), args.prompts, args.seed)
+    step_batches = [[problems[i] for i in order.indices(s)] for s in range(args.steps)]
     runs: dict[str, list[list[dict]]] = {"tailtamer": [], "trl": []}
     for r in range(args.repeats):
         order = ("trl", "tailtamer") if r % 2 == 0 else ("tailtamer", "trl")

@@ -274,7 +274,7 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
             rows[name].append([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
 
     def median(name, key):
-        return statistics.median(row[key] for run in rows[name] for row in run)
+        return statistics.median(row.get(key) or 0.0 for run in rows[name] for row in run)  # no drafter: null
 
     sd, off = rows["sd"][0], rows["off"][0]
     return {

@@ -151,10 +151,16 @@ class RLConfig:
     dynamic_sampling: bool = f(False, "drop groups whose rewards all agree (DAPO)")
     overlong: str = f("none", "truncated responses: none, mask (no loss), or penalty (DAPO soft punishment)")
     overlong_buffer: int = f(64, "penalty: tokens before max_new_tokens where the penalty ramps to -1")
-    reward: str = f("builtin", "reward: builtin, math (math-verify), or module:function / file.py:function")
+    reward: tuple[str, ...] = f(("auto",), "reward function(s), summed with reward_weights: auto (the built-in "
+                                          "scorer for each row's data_source: math for gsm8k/MATH/..., the built-in "
+                                          "task's for rows without one), builtin, math (math-verify), "
+                                          "module:function, file.py:function")
+    reward_weights: tuple[float, ...] = f((), "one weight per rl.reward function; empty = 1 each")
     reward_timeout_s: float = f(5.0, "a reward call taking longer scores 0 (counted)")
 
     def __post_init__(self):
+        if isinstance(self.reward, str):  # RLConfig(reward="math") in code, as the loader reads rl.reward=math
+            object.__setattr__(self, "reward", (self.reward,))
         for name, registry in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES), ("loss_agg", AGGREGATIONS),
                                ("kl_estimator", KL_ESTIMATORS), ("lr_schedule", LR_SCHEDULES)):
             if getattr(self, name) not in registry:
@@ -172,6 +178,11 @@ class RLConfig:
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"rl.{name} must be in [0, 1), got {getattr(self, name)}")
         positive(self, "rl", "adam_eps")
+        if not self.reward:
+            raise ConfigError("rl.reward: give at least one reward function")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+            raise ConfigError(f"rl.reward_weights: {len(self.reward_weights)} weights for {len(self.reward)} reward "
+                              f"functions (rl.reward={list(self.reward)})")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"rl.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         at_least(self, "rl", 0, "clip_high")
@@ -185,7 +196,7 @@ class TrainConfig:
     rl: RLConfig = f(RLConfig(), "rl")
     spec: SpecConfig = f(SpecConfig(mode="adaptive", drafter="builtin"),
                          "speculative decoding in the rollout (drafter builtin = the built-in base model's warm-up drafter)")
-    drafter: SpotConfig = f(SpotConfig(), "adaptive drafter: online training on idle time")
+    spot: SpotConfig = f(SpotConfig(), "the adaptive drafter's spot trainer: online training of spec.drafter on idle time")
 
     def __post_init__(self):
         if self.rl.overlong == "penalty" and self.rl.overlong_buffer >= self.rollout.max_new_tokens:
@@ -208,6 +219,8 @@ def _coerce(value: Any, kind, where: str):
             return None
         return _coerce(value, options[0], where)
     if origin is tuple:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # `rl.reward=math`: a list of one
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         inner = typing.get_args(kind)[0]
@@ -223,6 +236,10 @@ def _coerce(value: Any, kind, where: str):
     if kind in (int, str) and isinstance(value, kind) and not isinstance(value, bool):
         return value
     raise ConfigError(f"{where}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+# Old name -> new name, so a config written for an older tailtamer gets a hint, not a guess.
+RENAMED = {"drafter": "spot"}  # the spot trainer's section; spec.drafter is the drafter itself
 
 
 def from_dict(cls, data: dict | None, where: str = "", base=None):
@@ -245,6 +262,9 @@ def from_dict(cls, data: dict | None, where: str = "", base=None):
             kwargs[fl.name] = from_dict(kind, value, f"{path}.", section)
         else:
             kwargs[fl.name] = _coerce(value, kind, path)
+    renamed = [f"{where}{k} is now {where}{RENAMED[where + k]}" for k in data if where + k in RENAMED]
+    if renamed:
+        raise ConfigError(f"renamed config field(s): {'; '.join(renamed)} (rename it in the config file or override)")
     if data:
         known = ", ".join(fl.name for fl in fields(cls))
         raise ConfigError(f"unknown config field(s) {', '.join(where + k for k in data)}; known here: {known}")

@@ -53,8 +53,27 @@ def samples_markdown(samples: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# TensorBoard / W&B panel groups: the first rule a metrics.jsonl key matches names its group
+# (the key itself stays as it is, so a tag reads the same as the JSON field).
+TAG_GROUPS = (
+    ("drafter", lambda k: k.startswith(("drafter_", "accept_len_est"))),
+    ("time", lambda k: k.endswith("_s")),
+    ("reward", lambda k: k.startswith("reward") or k in ("accuracy", "eval_accuracy", "kept_groups_frac")),
+    ("rollout", lambda k: k.startswith(("response_len", "accept_len", "sd_tokens")) or k == "truncated_frac"),
+    ("train", lambda k: True),
+)
+
+
+def tag(key: str) -> str:
+    """`group/key` for a metrics.jsonl key (`reward/accuracy`, `time/step_s`); a key that
+    already names its group (`reward/<function>`) is kept."""
+    if "/" in key:
+        return key
+    return next(f"{group}/{key}" for group, matches in TAG_GROUPS if matches(key))
+
+
 def _scalars(row: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in row.items()
+    return {tag(k): float(v) for k, v in row.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
 
 
@@ -66,11 +85,11 @@ class TensorBoardLogger:
 
     def log(self, row: dict) -> None:
         for key, value in _scalars(row).items():
-            self.writer.add_scalar(key, value, row["step"] + 1)
+            self.writer.add_scalar(key, value, row["step"])
         self.writer.flush()
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        self.writer.add_text("samples", samples_markdown(samples), step + 1)
+        self.writer.add_text("rollout/samples", samples_markdown(samples), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -89,14 +108,14 @@ class WandbLogger:
                               mode=os.environ.get("WANDB_MODE", "offline"))
 
     def log(self, row: dict) -> None:
-        self.run.log(_scalars(row), step=row["step"] + 1)
+        self.run.log(_scalars(row), step=row["step"])
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         import wandb
 
         columns = ["prompt", "response", "reward", "length"]
-        self.run.log({"samples": wandb.Table(columns=columns, data=[[x[c] for c in columns] for x in samples])},
-                     step=step + 1)
+        self.run.log({"rollout/samples": wandb.Table(columns=columns, data=[[x[c] for c in columns] for x in samples])},
+                     step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -160,7 +179,7 @@ def console_line(row: dict, steps: int) -> str:
     extra = f"  eval {row['eval_accuracy']:.1%}" if "eval_accuracy" in row else ""
     if row.get("accept_len_mean", 1.0) > 1.0:
         extra += f"  accept {row['accept_len_mean']:.2f}"
-    return (f"step {row['step'] + 1:4d}/{steps}  reward {row['reward_mean']:.3f}  acc {row['accuracy']:.1%}  "
+    return (f"step {row['step']:4d}/{steps}  reward {row['reward_mean']:.3f}  acc {row['accuracy']:.1%}  "
             f"len p50 {row['response_len_p50']:.0f} max {row['response_len_max']:.0f}  "
             f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s{extra}")
 

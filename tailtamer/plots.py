@@ -54,29 +54,40 @@ def plot_rollout_timeline(timeline: list, path: str | Path, title: str = "rollou
 
 
 def plot_rl_curves(history: list[dict], path: str | Path, eval_at_start: float | None = None) -> Path:
-    """Reward and accuracy per RL step (held-out greedy accuracy as dots) beside the response
-    length distribution of every step."""
+    """Reward and accuracy per RL step (held-out greedy accuracy as dots; each reward function
+    of several dotted) beside the response length distribution of every step. When reward
+    and accuracy agree in every step (no penalty, one 0/1 reward), one line shows both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] + 1 for r in history]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5), dpi=110)
-    a.plot(steps, [r["reward_mean"] for r in history], label="reward (train samples)")
-    a.plot(steps, [r["accuracy"] for r in history], label="accuracy (train samples)")
-    held_out = [(r["step"] + 1, r["eval_accuracy"]) for r in history if "eval_accuracy" in r]
+    steps = [r["step"] for r in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
+    rewards, accuracy = [r["reward_mean"] for r in history], [r["accuracy"] for r in history]
+    if rewards == accuracy:
+        a.plot(steps, rewards, label="reward = accuracy (train samples)")
+    else:
+        a.plot(steps, rewards, label="reward (train samples)")
+        a.plot(steps, accuracy, "--", label="accuracy (train samples)")
+    for name in [k for k in history[0] if k.startswith("reward/")]:
+        a.plot(steps, [r.get(name) for r in history], ":", label=f"{name[len('reward/'):]} (unweighted)")
+    held_out = [(r["step"], r["eval_accuracy"]) for r in history if "eval_accuracy" in r]
     if eval_at_start is not None:
         held_out.insert(0, (0, eval_at_start))
     if held_out:
         a.plot(*zip(*held_out), "o-", label="greedy accuracy (held out)")
-    a.set_xlabel("step")
+    a.set_xlabel("RL step")
+    a.set_ylabel("mean over samples")
+    a.set_title("reward and accuracy", fontsize=10)
     a.legend(fontsize=8)
-    b.boxplot([r["lengths"] for r in history], positions=steps, widths=0.6, showfliers=True)
+    b.boxplot([r["lengths"] for r in history], positions=steps, widths=0.6, showfliers=True,
+              flierprops={"markersize": 3})
     every = max(1, len(steps) // 10)
     b.set_xticks(steps[::every], [str(x) for x in steps[::every]])
-    b.set_xlabel("step")
+    b.set_xlabel("RL step")
     b.set_ylabel("response length (tokens)")
+    b.set_title("response lengths (box: quartiles, whiskers: 1.5 IQR)", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
@@ -105,7 +116,7 @@ def plot_worker_timeline(row: dict, path: str | Path) -> Path:
     ax.set_yticks(workers, [f"worker {r}" for r in workers])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the step began")
-    ax.set_title(f"RL step {row['step'] + 1}: per-worker timeline")
+    ax.set_title(f"RL step {row['step']}: per-worker timeline")
     used = [p for p in PHASE_COLORS if any(s[1] == p for s in spans)]
     ax.legend(handles=[Patch(color=PHASE_COLORS[p], label=p) for p in used], loc="lower right", fontsize=8, ncol=len(used))
     fig.tight_layout()
@@ -118,26 +129,30 @@ def plot_worker_timeline(row: dict, path: str | Path) -> Path:
 def plot_accept_lengths(history: list[dict], path: str | Path) -> Path:
     """Accept length per RL step: measured in the rollout (adaptive drafter, SD steps only)
     and estimated on each step's fresh responses for the adaptive drafter and for a frozen
-    copy of the warm-up drafter (the same data for both); drafter loss on the right axis."""
+    copy of the warm-up drafter (the same data for both); drafter loss on the right axis,
+    when the drafter trained."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] + 1 for r in history]
-    fig, ax = plt.subplots(figsize=(8, 3.9), dpi=110)
-    ax.plot(steps, [r["accept_len_est"] for r in history], "o-", label="adaptive drafter (estimate)")
-    ax.plot(steps, [r["accept_len_est_frozen"] for r in history], "s--", label="frozen warm-up drafter (estimate)")
-    ax.plot(steps, [r["accept_len_mean"] for r in history], ".:", label="adaptive drafter (measured in rollout)")
-    ax.set_xlabel("step")
+    steps = [r["step"] for r in history]
+    fig, ax = plt.subplots(figsize=(8, 4.3), dpi=110)
+    ax.plot(steps, [r.get("accept_len_est") for r in history], "o-", label="adaptive drafter (estimate)")
+    ax.plot(steps, [r.get("accept_len_est_frozen") for r in history], "s--", label="frozen warm-up drafter (estimate)")
+    ax.plot(steps, [r["accept_len_mean"] for r in history], ".:", label="adaptive drafter (rollout's SD steps)")
+    ax.set_xlabel("RL step")
     ax.set_ylabel("accept length (tokens / verify)")
-    losses = [(s, r["drafter_loss"]) for s, r in zip(steps, history) if r["drafter_loss"] is not None]
+    ax.set_title("drafter: accept length per RL step", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    losses = [(s, r["drafter_loss"]) for s, r in zip(steps, history) if r.get("drafter_loss") is not None]
     if losses:
         right = ax.twinx()
-        right.plot(*zip(*losses), color="gray", alpha=0.5, linewidth=1, label="drafter loss")
-        right.set_ylabel("drafter loss", color="gray")
-    fig.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=3)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+        line, = right.plot(*zip(*losses), color="gray", alpha=0.5, linewidth=1, label="drafter loss (right)")
+        right.set_ylabel("drafter training loss", color="gray")
+        handles, labels = handles + [line], labels + [line.get_label()]
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=2)
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     path = Path(path)
     fig.savefig(path)
     plt.close(fig)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tailtamer.atomic import atomic_write_json
+from tailtamer.config_fields import f
 from tailtamer.errors import ConfigError
 from tailtamer.model.config import preset_config
 from tailtamer.model.io import init_model, save_model
@@ -45,16 +46,16 @@ RECIPE_VERSION = 3
 
 @dataclass(frozen=True)
 class SFTConfig:
-    preset: str = "base"  # model size (see model.config.PRESETS)
-    steps: int = 1000  # optimizer steps on worked traces (~8 min on 2 cores)
-    habit_steps: int = 150  # then steps at the final learning rate with the teacher's direct answers
-    direct_answer_prob: float = 0.6  # share of those problems the teacher answers without working
-    batch_size: int = 32  # problems per step
-    lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to 10%)
-    warmup: int = 30
-    weight_decay: float = 0.01
-    seed: int = 0
-    task: ArithmeticTask = field(default_factory=ArithmeticTask)
+    preset: str = f("base", "model size (see model.config.PRESETS)")
+    steps: int = f(1000, "optimizer steps on worked traces (~8 min on 2 cores)")
+    habit_steps: int = f(150, "then steps at the final learning rate with the teacher's direct answers")
+    direct_answer_prob: float = f(0.6, "share of those problems the teacher answers without working")
+    batch_size: int = f(32, "problems per step")
+    lr: float = f(3e-3, "peak AdamW learning rate (linear warm-up, cosine decay to 10%)")
+    warmup: int = f(30, "linear warm-up steps")
+    weight_decay: float = f(0.01, "AdamW weight decay")
+    seed: int = f(0, "data order and initialisation")
+    task: ArithmeticTask = field(default_factory=ArithmeticTask, metadata={"help": "the built-in task it learns"})
 
     def __post_init__(self):
         for name in ("steps", "batch_size"):

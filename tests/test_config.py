@@ -45,10 +45,13 @@ def test_yaml_1_2_scalars():
     (["rl.lr=.inf"], "rl.lr: expected a finite number"),
     (["rollout.temperature=.inf"], "rollout.temperature: expected a finite number"),
     (["rollout.top_p=1.5"], "rollout.top_p must be in (0, 1]"),
-    (["drafter.lr=0"], "drafter.lr must be > 0"),
+    (["spot.lr=0"], "spot.lr must be > 0"),
     (["spec.strategy=4_2"], "spec.strategy"),
     (["spec.acceptance=typical"], "refused"),
     (["rl.lr"], "not KEY=VALUE"),
+    (["rl.reward=[math, builtin]", "rl.reward_weights=[1]"], "rl.reward_weights: 1 weights for 2 reward functions"),
+    (["rl.reward=[]"], "rl.reward: give at least one reward function"),
+    (["drafter.train=false"], "renamed config field(s): drafter is now spot"),
 ])
 def test_bad_configs_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -89,3 +92,9 @@ def test_every_field_has_help():
     assert any(line.startswith("rl.lr = 0.0001") for line in lines)
     assert "spec.mode = 'adaptive'" in "\n".join(lines)  # the default job's, not SpecConfig()'s
     assert all(line.split("    ", 1)[1].strip() for line in lines if not line.startswith("spec."))
+
+
+def test_a_single_reward_reads_as_a_list_of_one():
+    assert load_train_config(None, ["rl.reward=math"]).rl.reward == ("math",)
+    cfg = load_train_config(None, ["rl.reward=[math, a.py:f]", "rl.reward_weights=[1, 0.5]"])
+    assert cfg.rl.reward == ("math", "a.py:f") and cfg.rl.reward_weights == (1.0, 0.5)

@@ -20,9 +20,9 @@ ROWS = [
 
 def _expected(tok):
     chat = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
-    return [{"prompt_ids": tok.encode("1+1="), "answer": "2"},
-            {"prompt_ids": chat, "answer": "5"},
-            {"prompt_ids": chat, "answer": "5"}]
+    return [{"prompt_ids": tok.encode("1+1="), "answer": "2", "_row": 1},
+            {"prompt_ids": chat, "answer": "5", "_row": 2},
+            {"prompt_ids": chat, "answer": "5", "_row": 3}]
 
 
 def test_string_and_chat_prompts_with_either_answer_field(tmp_path):
@@ -43,7 +43,7 @@ def test_parquet_reads_like_jsonl(tmp_path):
     tok = char_tokenizer()
     rows, _ = load_task_rows(path, tok, max_prompt_tokens=256)
     chat = _expected(tok)[1]["prompt_ids"]
-    assert rows == [{"prompt_ids": chat, "answer": "5"}, {"prompt_ids": chat, "answer": "7"}]
+    assert rows == [{"prompt_ids": chat, "answer": "5", "_row": 1}, {"prompt_ids": chat, "answer": "7", "_row": 2}]
 
 
 def test_long_prompts_are_skipped_and_counted_not_truncated(tmp_path):
@@ -111,11 +111,11 @@ def test_raw_gsm8k_rows_column_mapping_and_content_parts(tmp_path):
     tok = char_tokenizer()
     rows, _ = load_task_rows(write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K_ROW, {**GSM8K_ROW, "answer": "x\n#### 1,250"}]),
                              tok, 256)
-    assert rows == [{"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "7"},
-                    {"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "1250"}]
+    assert rows == [{"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "7", "_row": 1},
+                    {"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "1250", "_row": 2}]
     mapped = write_jsonl(tmp_path / "mapped.jsonl", [{"problem": "1+1=", "solution": 2, "prompt": "not this"}])
     rows, _ = load_task_rows(mapped, tok, 256, prompt_key="problem", answer_key="solution")
-    assert rows == [{"prompt_ids": tok.encode("1+1="), "answer": "2"}]
+    assert rows == [{"prompt_ids": tok.encode("1+1="), "answer": "2", "_row": 1}]
     parts = [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "3?"}]}]
     rows, _ = load_task_rows(write_jsonl(tmp_path / "parts.jsonl", [{"messages": parts, "answer": 5}]), tok, 256)
     plain = [{"role": "user", "content": "2+3?"}]
@@ -167,3 +167,22 @@ def test_content_parts_read_from_parquet(tmp_path):
     rows, _ = load_task_rows(path, tok, 256)
     plain = [{"role": "user", "content": "2+3?"}]
     assert rows[0]["prompt_ids"] == tok.encode(tok.apply_chat_template(plain, add_generation_prompt=True))
+
+
+@pytest.mark.parametrize("n,k", [(10, 4), (7, 7), (12, 5), (5, 16), (9, 1)])
+def test_prompt_order_is_shuffled_passes_without_repeats(n, k):
+    from tailtamer.rl.data import PromptOrder
+
+    order = PromptOrder(n, k, seed=3)
+    k = min(n, k)
+    steps = [order.indices(s) for s in range(4 * n)]
+    stream = [i for step in steps for i in step]
+    for e in range(len(stream) // n):  # every pass is a permutation: no prompt twice before all once
+        assert sorted(stream[e * n:(e + 1) * n]) == list(range(n))
+    assert all(len(set(step)) == len(step) == k for step in steps)  # a step never holds a prompt twice
+    fresh = PromptOrder(n, k, seed=3)  # a resumed run asks for a later step first
+    assert fresh.indices(3 * n - 1) == steps[3 * n - 1] and fresh.indices(0) == steps[0]
+    if n > 2:
+        assert len({tuple(stream[e * n:(e + 1) * n]) for e in range(4)}) > 1  # each pass shuffled anew
+        assert [PromptOrder(n, k, seed=s).indices(0) for s in range(5)] != [steps[0]] * 5  # the seed shuffles
+    assert order.epochs_done(len(steps)) == len(stream) / n

@@ -63,7 +63,7 @@ def drafter_dir(model_dir, tmp_path):
 def test_idle_worker_spot_trains_is_preempted_and_publishes(toy, drafter_dir, tmp_path):
     cfg = load_train_config(None, toy + ["run.steps=4", "run.name=spot2", "run.save_every=4", "run.workers=2",
                                          "spec.mode=on", f"spec.drafter={drafter_dir}", "spec.strategy=2_1_3",
-                                         "drafter.max_steps=100000", "drafter.tokens_per_step=64"])
+                                         "spot.max_steps=100000", "spot.tokens_per_step=64"])
     run = tmp_path / "runs" / "spot2"
     summary = spawn(2, uneven_worker, (cfg, None), str(run))
     assert summary["workers"] == 2

@@ -104,7 +104,7 @@ def test_the_math_reward_works_inside_the_scorer():
 @pytest.mark.parametrize("spec,message", [
     ("nonexistent_module_xyz:f", "cannot import nonexistent_module_xyz"),
     ("tailtamer.tasks.arithmetic:nope", "has no function 'nope'"),
-    ("no_colon", "expected builtin, math, module:function"),
+    ("no_colon", "expected auto, builtin, math, module:function"),
     ("/does/not/exist.py:f", "not found"),
 ])
 def test_unloadable_rewards_are_config_errors(spec, message):
@@ -183,3 +183,63 @@ def test_a_dict_reward_needs_a_score():
     assert check_reward_value({"score": 0.5, "acc": 1}) == 0.5
     with pytest.raises(NotANumber, match="without 'score'"):
         check_reward_value({"acc": 1.0})
+
+
+def test_several_weighted_rewards_sum_and_fail_on_their_own(user_file):
+    scorer = RewardScorer((f"{user_file}:exact", f"{user_file}:boom", "builtin"), timeout_s=2, weights=(2.0, 1.0, 0.5))
+    items = [("7", "7"), ("answer: 3", "3"), ("x", "y")]
+    calls = scorer.score_calls(items)
+    exact, builtin = resolve_reward(f"{user_file}:exact"), resolve_reward("builtin")
+    for (response, answer), parts in zip(items, calls):
+        assert parts == [(exact(response, answer), True), (0.0, False), (builtin(response, answer), True)]
+    assert scorer.failures["RuntimeError"]["count"] == 3  # one per item, charged to boom alone
+    assert scorer.score_batch(items) == [(2.0 * exact(r, a) + 0.5 * builtin(r, a), False) for r, a in items]
+    assert scorer.names == ["exact", "boom", "builtin"]
+    assert scorer.failures["RuntimeError"]["first"] == "boom: RuntimeError: bad reward"
+    with pytest.raises(ConfigError, match=r"rl.reward_weights: 1 weights for 2 reward functions"):
+        RewardScorer(("builtin", "builtin"), weights=(1.0,))
+
+
+def test_auto_routes_each_row_by_its_data_source(tmp_path):
+    from tailtamer.rl.rewards import auto_reward, check_routes, math_reward, route
+
+    assert [route(s) for s in (None, "openai/gsm8k", "lighteval/MATH", "math_dapo", "tailtamer/arithmetic",
+                               "my/chess", 3)] == ["builtin", "math", "math", "math", "builtin", None, None]
+    assert auto_reward("openai/gsm8k", r"so \boxed{0.5}", "1/2") == math_reward(r"so \boxed{0.5}", "1/2") == 1.0
+    assert auto_reward(None, "answer: 1/2", "1/2") == resolve_reward("builtin")("answer: 1/2", "1/2")
+    rows = [{"context": {"data_source": "openai/gsm8k"}, "_row": 1}, {"_row": 2},
+            {"context": {"data_source": "my/chess"}, "_row": 3}]
+    assert check_routes(rows[:2], "d.jsonl") == {"math", "builtin"}
+    with pytest.raises(ConfigError, match=r"d.jsonl:3: data_source 'my/chess' has no built-in scorer .*rl.reward=math"):
+        check_routes(rows, "d.jsonl")
+
+
+def test_the_default_reward_routes_a_gsm8k_file_to_math_and_logs_each_function(model_dir, tmp_path):
+    """No rl.reward given: rows of data_source openai/gsm8k are scored by math-verify; with two
+    reward functions, each one's mean is logged and the reward is their weighted sum."""
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.rewards import math_reward
+    from tailtamer.rl.trainer import train
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": f"{i}", "answer": "1"} for i in range(4)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "r.py").write_text("def long(response, answer):\n    return float(len(response) > 1)\n")
+    base = [f"run.model={model_dir}", f"data.train={data}", f"run.out_dir={tmp_path}", "run.steps=1",
+            "run.eval_every=0", "spec.mode=off", "rollout.prompts_per_step=4", "rollout.group_size=2",
+            "rollout.max_new_tokens=3", "run.log_samples_every=1"]
+    train(load_train_config(None, base + ["run.name=auto"]), log=lambda _: None, console=lambda _: None)
+    for x in (json.loads(line) for line in (tmp_path / "auto" / "samples.jsonl").read_text().splitlines()):
+        assert x["reward"] == math_reward(x["response"], "1")
+    train(load_train_config(None, base + ["run.name=two", f"rl.reward=[auto, {tmp_path / 'r.py'}:long]",
+                                          "rl.reward_weights=[1, 0.5]"]), log=lambda _: None, console=lambda _: None)
+    row = json.loads((tmp_path / "two" / "metrics.jsonl").read_text())
+    assert row["reward_mean"] == pytest.approx(row["reward/auto"] + 0.5 * row["reward/long"])
+    for x in (json.loads(line) for line in (tmp_path / "two" / "samples.jsonl").read_text().splitlines()):
+        assert x["reward"] == pytest.approx(math_reward(x["response"], "1") + 0.5 * (len(x["response"]) > 1))
+    chess = tmp_path / "chess.jsonl"
+    chess.write_text(json.dumps({"data_source": "my/chess", "prompt": "e4", "answer": "e5"}) + "\n")
+    with pytest.raises(ConfigError, match=r"chess.jsonl:1: data_source 'my/chess' has no built-in scorer"):
+        train(load_train_config(None, base + ["run.name=chess", f"data.train={chess}", "rollout.prompts_per_step=1"]),
+              log=lambda _: None)
+    assert not (tmp_path / "chess").exists()

@@ -86,7 +86,7 @@ def test_held_out_evaluation_is_greedy_accuracy_of_the_checkpointed_policy(toy, 
     tok = load_tokenizer(checkpoint)
     completions, _ = Engine(load_model(checkpoint), tok).generate(
         [tok.encode(p) for p in prompts], SamplingParams(temperature=0, max_new_tokens=cfg.rollout.max_new_tokens))
-    reward = resolve_reward(cfg.rl.reward)
+    reward = resolve_reward(cfg.rl.reward[0])
     expected = sum(reward(c.text, "0") for c in completions) / len(prompts)
     print(f"held-out greedy accuracy {expected:.3f}")
     assert rows[1]["eval_accuracy"] == pytest.approx(expected)

@@ -121,7 +121,7 @@ def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_last_good_one(toy
     assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == []  # no partial one
     monkeypatch.setattr(checkpoint, "save_model", real)
     _train(toy, "run.steps=3", resume=run)
-    assert [r["step"] for r in _rows(run)] == [0, 1, 2]
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3]
 
 
 def test_a_read_only_output_directory_is_a_startup_error(toy, tmp_path):

@@ -258,7 +258,7 @@ def test_accept_length_estimate_packs_without_chains_across_samples():
 
 
 def test_spot_config_rejects_bad_values():
-    with pytest.raises(ConfigError, match="drafter.single_worker"):
+    with pytest.raises(ConfigError, match="spot.single_worker"):
         SpotConfig(single_worker="sometimes")
-    with pytest.raises(ConfigError, match="drafter.tokens_per_step must be >= 1"):
+    with pytest.raises(ConfigError, match="spot.tokens_per_step must be >= 1"):
         SpotConfig(tokens_per_step=0)

@@ -38,9 +38,10 @@ def test_grpo_raises_reward_on_a_toy_task(toy, tmp_path):
     run = tmp_path / "runs" / "learn"
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file() and (run / "curves.png").is_file()
     for field in ("step", "reward_mean", "accuracy", "response_len_mean", "response_len_p50", "response_len_max",
-                  "rollout_s", "train_s", "step_s", "sd_tokens_frac", "accept_len_mean", "drafter_loss",
-                  "drafter_train_s", "idle_worker_s"):
+                  "rollout_s", "train_s", "step_s", "sd_tokens_frac", "accept_len_mean", "drafter_loss", "drafter_train_s", "idle_worker_s"):
         assert field in rows[0]
+    # no drafter runs in the toy job: its fields are null, and no logger gets them
+    assert all(rows[0][k] is None for k in rows[0] if k.startswith("drafter_"))
 
 
 @pytest.mark.slow
@@ -59,14 +60,21 @@ def test_the_default_job_raises_held_out_accuracy(tmp_path):
 
 
 def test_resume_repeats_an_uninterrupted_run(toy, tmp_path):
+    # 3 of the 4 prompts per step: the resume falls inside the second pass over the data.
+    toy = toy + ["rollout.prompts_per_step=3", "run.log_samples_every=1"]
     straight = toy + ["run.steps=4", "run.save_every=2", "rl.lr=1e-3"]
     train(load_train_config(None, straight + ["run.name=a"]), log=lambda _: None)
     train(load_train_config(None, toy + ["run.steps=2", "run.save_every=2", "rl.lr=1e-3", "run.name=b"]),
           log=lambda _: None)
-    b = tmp_path / "runs" / "b"
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
     # Continue b to 4 steps from its checkpoint (steps is the one field a resume may change).
     train(load_train_config(b / "config.yaml", ["run.steps=4"]), resume=b, log=lambda _: None)
-    assert _comparable(_rows(b)) == _comparable(_rows(tmp_path / "runs" / "a"))
+    assert _comparable(_rows(b)) == _comparable(_rows(a))
+    assert [r["epoch"] for r in _rows(a)] == [0.75, 1.5, 2.25, 3.0]
+    prompts = [[x["prompt"] for x in json.loads(f"[{','.join((run / 'samples.jsonl').read_text().splitlines())}]")]
+               for run in (a, b)]
+    assert prompts[0] == prompts[1] and len(prompts[0]) == 12
+    assert sorted(prompts[0][:4]) == ["ab", "cd", "ef", "gh"]  # every prompt once before any twice
 
 
 def test_sigkill_mid_run_leaves_a_valid_checkpoint(toy, tmp_path):
@@ -203,15 +211,18 @@ def test_tensorboard_and_wandb_receive_every_step(toy, tmp_path, monkeypatch):
     run = tmp_path / "runs" / "loggers"
     rewards = [r["reward_mean"] for r in _rows(run)]
     assert started["mode"] == "offline" and started["finished"] and started["name"] == "loggers"
-    assert [(step, row["reward_mean"]) for step, row in logged if "reward_mean" in row] == list(zip([1, 2, 3], rewards))
-    tables = [(step, row["samples"]) for step, row in logged if "samples" in row]
+    assert [(step, row["reward/reward_mean"]) for step, row in logged if "reward/reward_mean" in row] == list(zip([1, 2, 3], rewards))
+    tables = [(step, row["rollout/samples"]) for step, row in logged if "rollout/samples" in row]
     assert [step for step, _ in tables] == [1] and tables[0][1]["columns"] == ["prompt", "response", "reward", "length"]
     assert len(tables[0][1]["data"]) == 4  # the first sample of each of the step's 4 prompts
     events = EventAccumulator(str(run / "tensorboard")).Reload()
-    scalars = events.Scalars("reward_mean")
+    scalars = events.Scalars("reward/reward_mean")
     assert [e.step for e in scalars] == [1, 2, 3]
     assert [e.value for e in scalars] == pytest.approx(rewards)
-    assert "samples/text_summary" in events.Tags()["tensors"]
+    assert "rollout/samples/text_summary" in events.Tags()["tensors"]
+    tags = set(events.Tags()["scalars"])
+    assert {"time/step_s", "rollout/response_len_mean", "train/loss", "reward/accuracy"} <= tags
+    assert not any(t.startswith("drafter/") for t in tags)  # no drafter in the toy job
 
 
 def test_samples_log_shows_what_the_model_wrote(toy, tmp_path):
@@ -221,7 +232,7 @@ def test_samples_log_shows_what_the_model_wrote(toy, tmp_path):
           log=lambda _: None, console=lambda _: None)
     run = tmp_path / "runs" / "samples"
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in samples] == [0] * 4 + [1] * 4 + [3] * 4  # the first step, then every 2nd
+    assert [x["step"] for x in samples] == [1] * 4 + [2] * 4 + [4] * 4  # the first step, then every 2nd
     spec = importlib.util.spec_from_file_location("toy_reward", tmp_path / "toy_reward.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -240,8 +251,8 @@ def test_adaptive_drafter_trains_in_the_window_and_is_checkpointed(toy, model_di
     start_sha = weights_checksum(load_drafter(drafter_dir, load_model(model_dir)))
     cfg = load_train_config(None, toy + ["run.steps=3", "run.name=spot", "run.save_every=3", "spec.mode=on",
                                          f"spec.drafter={drafter_dir}", "spec.strategy=2_1_3",
-                                         "drafter.single_worker=window", "drafter.window_s=0.5", "drafter.max_steps=3",
-                                         "drafter.tokens_per_step=64"])
+                                         "spot.single_worker=window", "spot.window_s=0.5", "spot.max_steps=3",
+                                         "spot.tokens_per_step=64"])
     train(cfg, log=lambda _: None, console=lambda _: None)
     rows = _rows(tmp_path / "runs" / "spot")
     assert all(r["drafter_steps"] == 3 and r["drafter_loss"] > 0 for r in rows)
@@ -258,7 +269,7 @@ def test_drafter_window_never_leaves_the_drafter_as_it_was(toy, model_dir, tmp_p
     drafter_dir = tmp_path / "drafter"
     save_drafter(init_drafter(load_model(model_dir), seed=3), drafter_dir)
     cfg = load_train_config(None, toy + ["run.steps=2", "run.name=never", "spec.mode=on", f"spec.drafter={drafter_dir}",
-                                         "spec.strategy=2_1_3", "drafter.single_worker=never"])
+                                         "spec.strategy=2_1_3", "spot.single_worker=never"])
     train(cfg, log=lambda _: None, console=lambda _: None)
     rows = _rows(tmp_path / "runs" / "never")
     assert "drafter_steps" not in rows[0] and rows[0]["drafter_sha"] == rows[1]["drafter_sha"]
@@ -278,8 +289,8 @@ def test_the_drafter_learns_from_every_response_whatever_the_policy_loss_keeps(t
     zero.write_text("def zero(response, answer):\n    return 0.0\n")
     for extra in (["rl.overlong=mask"], ["rl.dynamic_sampling=true", f"rl.reward={zero}:zero"]):
         cfg = load_train_config(None, toy + extra + ["spec.mode=on", f"spec.drafter={drafter_dir}",
-                                                     "spec.strategy=4_2_8", "drafter.single_worker=window",
-                                                     "drafter.window_s=0"])
+                                                     "spec.strategy=4_2_8", "spot.single_worker=window",
+                                                     "spot.window_s=0"])
         s = setup(prepare(cfg), log=lambda _: None)
         row = rl_step(s)
         assert row["kept_groups_frac"] < 0.5, extra
@@ -311,3 +322,13 @@ def test_micro_batch_cuts_minimise_padding_plus_call_cost():
     assert cost(chunks, 64) == best
     # a huge per-call cost puts everything that fits into as few chunks as possible
     assert len(token_budget_chunks(widths, max_rows=16, max_tokens=10**6, overhead=10**6)) == 1
+
+
+def test_logger_tags_group_the_metrics():
+    from tailtamer.metrics import tag
+
+    assert [tag(k) for k in ("reward_mean", "eval_accuracy", "reward/long", "response_len_p50", "accept_len_mean",
+                             "accept_len_est_frozen", "drafter_loss", "drafter_train_s", "rollout_s", "loss", "lr")] == [
+        "reward/reward_mean", "reward/eval_accuracy", "reward/long", "rollout/response_len_p50",
+        "rollout/accept_len_mean", "drafter/accept_len_est_frozen", "drafter/drafter_loss",
+        "drafter/drafter_train_s", "time/rollout_s", "train/loss", "train/lr"]

@@ -52,7 +52,7 @@ class AdaptiveDrafter:
         return {**report, **self.trainer.train(should_stop, deadline)}
 
     def train_in_window(self) -> dict:
-        """One worker has no idle time: train for `drafter.window_s` after the update instead."""
+        """One worker has no idle time: train for `spot.window_s` after the update instead."""
         return self.train_while_idle(lambda: False, deadline=time.perf_counter() + self.cfg.window_s)
 
     def publish(self, steps: int) -> None:

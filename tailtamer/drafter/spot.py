@@ -41,13 +41,13 @@ class SpotConfig:
 
     def __post_init__(self):
         if self.single_worker not in ("never", "window"):
-            raise ConfigError(f"drafter.single_worker must be never or window, got {self.single_worker!r}")
-        positive(self, "drafter", "lr")
+            raise ConfigError(f"spot.single_worker must be never or window, got {self.single_worker!r}")
+        positive(self, "spot", "lr")
         if not 0 <= self.long_quantile < 1:
-            raise ConfigError(f"drafter.long_quantile must be in [0, 1), got {self.long_quantile}")
-        at_least(self, "drafter", 0, "window_s")
-        at_least(self, "drafter", 1, "tokens_per_step", "buffer_mb")
-        at_least(self, "drafter", 0, "max_steps")
+            raise ConfigError(f"spot.long_quantile must be in [0, 1), got {self.long_quantile}")
+        at_least(self, "spot", 0, "window_s")
+        at_least(self, "spot", 1, "tokens_per_step", "buffer_mb")
+        at_least(self, "spot", 0, "max_steps")
 
 
 class SpotTrainer:

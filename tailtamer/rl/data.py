@@ -1,4 +1,6 @@
-"""Prompt datasets: JSONL rows with a `prompt` string or chat `messages`.
+"""Prompt datasets: the built-in task, or JSONL / parquet rows (a `prompt` string or chat
+messages, GSM8K / verl layouts, mapped columns), their held-out split, and the order in which
+RL steps take them (shuffled passes, `PromptOrder`).
 
 Every error names the file and the 1-based row, and is raised before any work starts.
 """
@@ -198,7 +200,7 @@ def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: in
             skipped += 1
             continue
         context = {k: row[k] for k in CONTEXT_FIELDS if k in row}
-        rows.append({"prompt_ids": ids, "answer": answer, **({"context": context} if context else {})})
+        rows.append({"prompt_ids": ids, "answer": answer, "_row": row["_row"], **({"context": context} if context else {})})
     if not rows:
         raise DataError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens (data.max_prompt_tokens "
                         f"or the model's context)")
@@ -213,3 +215,67 @@ def held_out_split(rows: list, n: int, seed: int) -> tuple[list, list]:
     k = min(n, len(rows) // 10)
     held = set(random.Random(f"held-out/{seed}").sample(range(len(rows)), k))
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
+    """(train rows, eval rows, prompts skipped as longer than `limit` tokens) for a
+    TrainConfig's data section: the built-in task's problems, or the files'."""
+    if cfg.data.train == "builtin":
+        from tailtamer.demo import HELD_OUT_SEED
+        from tailtamer.tasks.arithmetic import ArithmeticTask
+
+        task = ArithmeticTask()
+        def rows(problems):
+            return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
+        train = rows(task.dataset(cfg.data.n_builtin, seed=cfg.run.seed + 17))
+        evals = rows(task.dataset(cfg.data.n_eval, seed=HELD_OUT_SEED)) if cfg.data.eval is None else None
+        skipped = 0
+    else:
+        train, skipped = load_task_rows(cfg.data.train, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
+        evals = []
+        if cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
+            train, evals = held_out_split(train, cfg.data.n_eval, cfg.run.seed)
+            if evals:
+                log(f"data.eval not given: holding out {len(evals)} of the {len(train) + len(evals)} prompts of "
+                    f"{cfg.data.train} for evaluation (data.n_eval, at most a tenth; give data.eval=FILE, or "
+                    f"run.eval_every=0 to train on all)")
+    if cfg.data.eval is not None:
+        evals, more = load_task_rows(cfg.data.eval, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
+        skipped += more
+    return train, evals[: cfg.data.n_eval], skipped
+
+
+class PromptOrder:
+    """Which rows each RL step trains on: a stream of shuffled passes (epochs) over the n
+    rows, step s taking the k prompts at stream positions [s·k, s·k + k), so no prompt comes
+    twice before every prompt came once. Epoch e's order is a shuffle keyed by (seed, e),
+    except that the prompts of epoch e-1 which share a step with epoch e's first ones move
+    to the end of epoch e: a step never holds one prompt twice. A pure function of
+    (n, k, seed, s), so a resumed run draws what an uninterrupted one did."""
+
+    def __init__(self, n: int, k: int, seed: int):
+        self.n, self.k, self.seed = n, min(k, n), seed
+        self.orders: list[list[int]] = []
+
+    def _epoch(self, e: int) -> list[int]:
+        import random
+
+        while len(self.orders) <= e:
+            epoch = len(self.orders)
+            order = random.Random(f"{self.seed}/epoch/{epoch}").sample(range(self.n), self.n)
+            start = epoch * self.n
+            shared_from = start // self.k * self.k  # where the step holding the epoch's start begins
+            if epoch and shared_from < start:
+                tail = set(self.orders[-1][shared_from - (start - self.n):])
+                order = [i for i in order if i not in tail] + [i for i in order if i in tail]
+            self.orders.append(order)
+        return self.orders[e]
+
+    def indices(self, step: int) -> list[int]:
+        """Row indices of RL step `step` (counted from 0)."""
+        positions = range(step * self.k, (step + 1) * self.k)
+        return [self._epoch(p // self.n)[p % self.n] for p in positions]
+
+    def epochs_done(self, steps: int) -> float:
+        """Passes over the data after `steps` steps."""
+        return steps * self.k / self.n

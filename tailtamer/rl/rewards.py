@@ -1,9 +1,12 @@
-"""Verifiable rewards: the built-in task's, a math-verify reward, and user functions.
+"""Verifiable rewards: the built-in task's, a math-verify reward, routing by `data_source`,
+and user functions, several of them weighted.
 
 A reward function is `fn(response: str, answer: str) -> float`, or verl's
 `compute_score(data_source, solution_str, ground_truth, extra_info=None)` returning a float or
 a dict with `score` (called with the row's `data_source` and `extra_info`; `reward_caller`
-tells the two apart by their parameter names). Rewards are user code, so
+tells the two apart by their parameter names). `rl.reward` names one or several (TRL's
+`reward_funcs`); a sample's reward is their sum weighted by `rl.reward_weights`, and each is
+logged on its own. Rewards are user code, so
 they run in a separate process (`RewardScorer`): one that raises, returns something that is
 not a finite number, runs past the timeout, or kills its process (`os._exit`, a segfault)
 scores 0 for that sample; the failure is counted by kind with its first message, and the run
@@ -46,7 +49,7 @@ def math_reward(response: str, answer: str) -> float:
 def load_user_reward(spec: str) -> Callable[[str, str], float]:
     """`package.module:function` or `path/to/file.py:function`."""
     if ":" not in spec:
-        raise ConfigError(f"rl.reward {spec!r}: expected builtin, math, module:function or file.py:function")
+        raise ConfigError(f"rl.reward {spec!r}: expected auto, builtin, math, module:function or file.py:function")
     target, name = spec.rsplit(":", 1)
     try:
         if target.endswith(".py"):
@@ -69,14 +72,79 @@ def load_user_reward(spec: str) -> Callable[[str, str], float]:
     return fn
 
 
-def resolve_reward(spec: str) -> Callable[[str, str], float]:
-    if spec == "builtin":
-        return builtin_reward
+# `rl.reward=auto`: the built-in scorer for a row's `data_source` (verl's names), first match
+# wins; a row without one is scored as the built-in task.
+DATA_SOURCES = (
+    ("tailtamer/arithmetic", "builtin"),
+    ("gsm8k", "math"), ("math", "math"), ("aime", "math"), ("amc", "math"), ("numina", "math"),
+    ("deepscaler", "math"), ("olympiad", "math"),
+)
+
+
+def route(data_source) -> str | None:
+    """The built-in scorer (`builtin` or `math`) for a row's `data_source`: `builtin` when
+    the row has none, else the first DATA_SOURCES entry whose name the source contains
+    (case-insensitive: `openai/gsm8k`, `lighteval/MATH`, `math_dapo`), None when none does."""
+    if data_source is None:
+        return "builtin"
+    if not isinstance(data_source, str):
+        return None
+    return next((scorer for name, scorer in DATA_SOURCES if name in data_source.lower()), None)
+
+
+def auto_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """`rl.reward=auto`: the row's data_source picks the built-in scorer (see `route`; the
+    trainer checks every row at start-up, so an unknown source never reaches here)."""
+    scorer = route(data_source)
+    if scorer is None:
+        raise ValueError(f"no built-in scorer for data_source {data_source!r}")
+    return BUILTIN_REWARDS[scorer](solution_str, ground_truth)
+
+
+def check_routes(rows: list[dict], where: str) -> set[str]:
+    """The built-in scorers `rl.reward=auto` will use for `rows` (each with its 1-based `_row`
+    in the file `where`); a row whose data_source has none is a ConfigError naming it."""
+    used = set()
+    for row in rows:
+        source = row.get("context", {}).get("data_source")
+        scorer = route(source)
+        if scorer is None:
+            raise ConfigError(f"{where}:{row.get('_row', '?')}: data_source {source!r} has no built-in scorer "
+                              f"(rl.reward=auto knows sources containing {', '.join(n for n, _ in DATA_SOURCES)}); "
+                              f"give rl.reward=math or module:function")
+        used.add(scorer)
+    if "math" in used:
+        _check_math_verify("auto (rows routed to math)")
+    return used
+
+
+def _check_math_verify(spec: str) -> None:
+    if importlib.util.find_spec("math_verify") is None:
+        raise ConfigError(f"rl.reward {spec} needs the math-verify package: pip install math-verify")
+
+
+BUILTIN_REWARDS = {"builtin": builtin_reward, "math": math_reward}
+
+
+def resolve_reward(spec: str) -> Callable:
     if spec == "math":
-        if importlib.util.find_spec("math_verify") is None:
-            raise ConfigError("rl.reward 'math' needs the math-verify package: pip install math-verify")
-        return math_reward
-    return load_user_reward(spec)
+        _check_math_verify("math")
+    if spec == "auto":
+        return auto_reward
+    return BUILTIN_REWARDS.get(spec) or load_user_reward(spec)
+
+
+def reward_name(spec) -> str:
+    """How a reward function is logged: `math`, or the function's name for `file.py:fn`."""
+    if isinstance(spec, str):
+        return spec.rsplit(":", 1)[-1]
+    return getattr(spec, "__name__", "reward")
+
+
+def reward_names(specs) -> list[str]:
+    """Distinct log names for several reward functions (a repeated name gets its position)."""
+    names = [reward_name(s) for s in specs]
+    return [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
 ACCEPTED_SIGNATURES = ("fn(response, answer), or verl's compute_score(data_source, solution_str, ground_truth, "
@@ -142,17 +210,24 @@ def check_reward_value(value) -> float:
 @dataclass
 class RewardScorer:
     """Scores responses in a child process (tailtamer/rl/reward_worker.py) with a timeout per
-    call. A call that times out or kills the child is charged to its own sample; the child is
-    restarted and the remaining samples go on. `reward` is a spec (`builtin`, `math`,
-    `module:function`, `file.py:function`) or a picklable function."""
+    call. A call that times out or kills the child is charged to its own sample and function;
+    the child is restarted and the remaining calls go on. `reward` is a spec (`auto`,
+    `builtin`, `math`, `module:function`, `file.py:function`), a picklable function, or a
+    sequence of them, summed with `weights` (default: 1 each)."""
 
-    reward: str | Callable
+    reward: str | Callable | tuple
     timeout_s: float = 5.0
+    weights: tuple[float, ...] = ()
     failures: dict = field(default_factory=dict)  # kind -> {"count": n, "first": message}
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _conn: Connection | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        self.specs = tuple(self.reward) if isinstance(self.reward, (tuple, list)) else (self.reward,)
+        self.weights = tuple(self.weights) or (1.0,) * len(self.specs)
+        if len(self.weights) != len(self.specs):
+            raise ConfigError(f"rl.reward_weights: {len(self.weights)} weights for {len(self.specs)} reward functions")
+        self.names = reward_names(self.specs)
         self._start()  # a reward that cannot load is a start-up error, not a failure per sample
 
     # --- the child process ------------------------------------------------------------------
@@ -166,8 +241,8 @@ class RewardScorer:
         os.close(to_child_r)
         os.close(from_child_w)
         self._conn = _Duplex(from_child_r, to_child_w)
-        spec = self.reward if isinstance(self.reward, str) else pickle.dumps(self.reward)
-        self._conn.send((spec, sys.path))
+        specs = [s if isinstance(s, str) else pickle.dumps(s) for s in self.specs]
+        self._conn.send((specs, sys.path))
         if not self._conn.poll(START_TIMEOUT_S):
             self.close()
             raise ConfigError(f"rl.reward {self._name()}: loading it took longer than {START_TIMEOUT_S:.0f} s")
@@ -199,42 +274,55 @@ class RewardScorer:
         self._stop()
 
     def _name(self) -> str:
-        return self.reward if isinstance(self.reward, str) else getattr(self.reward, "__name__", repr(self.reward))
+        return ", ".join(s if isinstance(s, str) else reward_name(s) for s in self.specs)
 
     # --- scoring ----------------------------------------------------------------------------
 
-    def score_batch(self, items: list[tuple]) -> list[tuple[float, bool]]:
-        """[(reward, ok)] for (response, answer) or (response, answer, row context) items, in
-        order; a failed call gives (0.0, False)."""
+    def score_calls(self, items: list[tuple]) -> list[list[tuple[float, bool]]]:
+        """Per item, [(value, ok)] of each reward function, for (response, answer) or
+        (response, answer, row context) items, in order; a failed call gives (0.0, False)."""
         items = [(item[0], item[1], item[2] if len(item) > 2 else {}) for item in items]
+        calls = [(j, *item) for item in items for j in range(len(self.specs))]
         out: list[tuple[float, bool]] = []
-        while len(out) < len(items):
+        while len(out) < len(calls):
             if self._conn is None:
                 self._start()
-            pending = items[len(out):]
+            pending = calls[len(out):]
             try:
                 self._conn.send(("score", pending))
             except OSError:  # it died between batches: start a fresh one
                 self._stop()
                 continue
-            for _ in pending:
+            for j, *_ in pending:
                 if not self._conn.poll(self.timeout_s):
                     self._stop()
-                    out.append(self._fail("timeout", f"a call took longer than rl.reward_timeout_s={self.timeout_s}"))
+                    out.append(self._fail("timeout", f"a call took longer than rl.reward_timeout_s={self.timeout_s}", j))
                     break
                 try:
                     kind, value = self._conn.recv()
                 except (EOFError, OSError):
                     code = self._stop()
-                    out.append(self._fail("process died", f"the reward's process died (exit code {code})"))
+                    out.append(self._fail("process died", f"the reward's process died (exit code {code})", j))
                     break
-                out.append((value, True) if kind == "ok" else self._fail(kind, value))
-        return out
+                out.append((value, True) if kind == "ok" else self._fail(kind, value, j))
+        k = len(self.specs)
+        return [out[i:i + k] for i in range(0, len(out), k)]
+
+    def total(self, parts: list[tuple[float, bool]]) -> tuple[float, bool]:
+        """(weighted sum of one item's function values, whether every call succeeded)."""
+        return sum(w * v for w, (v, _) in zip(self.weights, parts)), all(ok for _, ok in parts)
+
+    def score_batch(self, items: list[tuple]) -> list[tuple[float, bool]]:
+        """[(reward, ok)] per item: the weighted sum over the reward functions; ok when every
+        call succeeded (a failed call counts 0.0)."""
+        return [self.total(parts) for parts in self.score_calls(items)]
 
     def score(self, response: str, answer: str) -> float:
         return self.score_batch([(response, answer)])[0][0]
 
-    def _fail(self, kind: str, message: str) -> tuple[float, bool]:
+    def _fail(self, kind: str, message: str, j: int) -> tuple[float, bool]:
+        if len(self.specs) > 1:
+            message = f"{self.names[j]}: {message}"
         entry = self.failures.setdefault(kind, {"count": 0, "first": message})
         entry["count"] += 1
         return 0.0, False

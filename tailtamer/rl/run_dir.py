@@ -140,9 +140,9 @@ def record_resume(run_dir: Path, step: int, cfg_dict: dict, changes: dict, log) 
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
 
 
-def keep_metrics_before(path: Path, step: int, log) -> list[dict]:
+def keep_metrics_through(path: Path, step: int, log) -> list[dict]:
     """On resume, drop rows (of metrics.jsonl or samples.jsonl) the interrupted run logged
-    after its last checkpoint, and lines a kill left torn (a row is written in one piece, so
+    after its last checkpoint (that of step `step`, counted from 1 as rows are), and lines a kill left torn (a row is written in one piece, so
     only the last line can be)."""
     if not path.is_file():
         return []
@@ -155,7 +155,7 @@ def keep_metrics_before(path: Path, step: int, log) -> list[dict]:
         except json.JSONDecodeError:
             torn += 1
             continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
             rows.append(row)
     if torn:
         log(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing leaves one)")

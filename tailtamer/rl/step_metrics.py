@@ -63,8 +63,9 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
         "sd_tokens_frac": sum(p["sd_tokens"] for p in parts) / max(1, sum(p["tokens"] for p in parts)),
         "accept_len_mean": mean_accept_len(sum((Counter(p["accept_lens"]) for p in parts), Counter())),
         "idle_worker_s": sum(p["idle_s"] for p in parts),
+        # null without a drafter (so no logger plots a flat zero for it), as the row's contract keeps them
         "drafter_loss": None,
-        "drafter_train_s": 0.0,
+        "drafter_train_s": None,
         "workers": len(parts),
         **update,
         "kept_groups_frac": sum(p["kept"] for p in parts) / len(lengths),
@@ -75,6 +76,8 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
                      for r, p in enumerate(parts) for name, a, b in p["timeline"] if b > a],
         "samples": sorted(every("samples"), key=lambda x: x["prompt_index"]),
     }
+    for name in parts[0]["by_function"]:  # each of several reward functions, unweighted
+        row[f"reward/{name}"] = statistics.mean(x for p in parts for x in p["by_function"][name])
     if drafter:
         reports = [p["drafter"] for p in parts if p["drafter"] is not None]
         losses = [d["loss"] for d in reports if d["loss"] is not None]

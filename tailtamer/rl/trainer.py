@@ -9,15 +9,15 @@ processes and the c10d store live in tailtamer/dist.py.
 
 Choices: each worker's rollout engine runs its own copy of the policy module, and every worker
 applies the same summed gradient, so "weight sync" is a checksum of what every engine will run
-next, compared across workers. Prompts for step s are drawn from a generator keyed by (seed, s)
-and sampling streams by (seed, s, global prompt index, sample): a resumed run repeats an
+next, compared across workers. Step s takes the next prompts of shuffled passes over the data
+(`PromptOrder`, a function of (seed, s)) and samples from streams keyed by (seed, s, global
+prompt index, sample): a resumed run repeats an
 uninterrupted one, and N workers sample what one worker would.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -40,10 +40,10 @@ from tailtamer.rl import grpo
 from tailtamer.rl.batching import (Samples, minibatch_of, needed_width, response_batch, token_budget_chunks,
                                    update_plan)
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from tailtamer.rl.data import held_out_split, load_task_rows
+from tailtamer.rl.data import PromptOrder, datasets
 from tailtamer.rl.optim import make_optimizer
-from tailtamer.rl.rewards import RewardScorer, merge_failures
-from tailtamer.rl.run_dir import DEFAULT_NAME, claim_run_dir, keep_metrics_before, record_resume, resume_changes
+from tailtamer.rl.rewards import RewardScorer, check_routes, merge_failures
+from tailtamer.rl.run_dir import DEFAULT_NAME, claim_run_dir, keep_metrics_through, record_resume, resume_changes
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
@@ -61,30 +61,29 @@ class StepAborted(TrainingError):
     between the two steps can still be checkpointed."""
 
 
-def step_prompts(rows: list, seed: int, step: int, k: int) -> list:
-    """The prompts of RL step `step`: k rows drawn without replacement by a generator keyed by
-    (seed, step), so a resumed run draws what an uninterrupted one did."""
-    return random.Random(f"{seed}/{step}").sample(rows, min(k, len(rows)))
-
-
 def reward_items(rows: list[dict], completions: list) -> list[tuple[str, str, dict]]:
     """(response, answer, row context) per completion of `rows` (completion prompt indices
     count within `rows`), as the reward scorer takes them."""
     return [(c.text, rows[c.prompt_index]["answer"], rows[c.prompt_index].get("context", {})) for c in completions]
 
 
-def score_rewards(s: RunState, items: list[tuple[str, str, dict]]) -> torch.Tensor:
-    """This worker's rewards for (response, answer, row context) items, 0 where the reward failed. If every
-    sample of the step failed on every worker, StepAborted: all-zero rewards teach nothing
-    and a run that trains on them hides the bug."""
-    scored = s.scorer.score_batch(items)
-    parts = s.workers.gather((sum(not ok for _, ok in scored), len(scored), s.scorer.failures))
-    failed, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
-    if failed == total:
-        kinds = merge_failures([p[2] for p in parts])
-        raise StepAborted(f"every reward of step {s.step + 1} failed ({failed} of {total} samples; rl.reward="
-                          f"{s.cfg.rl.reward}): " + "; ".join(e["first"] for e in kinds.values()))
-    return torch.tensor([value for value, _ in scored])
+def score_rewards(s: RunState, items: list[tuple[str, str, dict]]) -> tuple[torch.Tensor, dict]:
+    """This worker's rewards for (response, answer, row context) items (the reward functions'
+    weighted sum, a failed call counting 0), and each function's values by name. If one
+    function failed on every sample of the step on every worker, StepAborted: its zeros
+    teach nothing and a run that trains on them hides the bug."""
+    scored = s.scorer.score_calls(items)
+    names = s.scorer.names
+    failed = [sum(not parts[j][1] for parts in scored) for j in range(len(names))]
+    gathered = s.workers.gather((failed, len(scored), s.scorer.failures))
+    total = sum(g[1] for g in gathered)
+    for j, name in enumerate(names):
+        if sum(g[0][j] for g in gathered) == total:
+            kinds = merge_failures([g[2] for g in gathered])
+            raise StepAborted(f"every reward of step {s.step + 1} failed ({total} of {total} samples; rl.reward "
+                              f"{name}): " + "; ".join(e["first"] for e in kinds.values()))
+    by_name = {name: [parts[j][0] for parts in scored] for j, name in enumerate(names)}
+    return torch.tensor([s.scorer.total(parts)[0] for parts in scored]), by_name
 
 
 @dataclass
@@ -99,6 +98,7 @@ class RunState:
     scorer: RewardScorer
     train_rows: list[dict]
     eval_rows: list[dict]
+    order: PromptOrder  # which training rows each step takes
     workers: Workers = field(default_factory=Workers)
     ref_model: torch.nn.Module | None = None
     drafter: AdaptiveDrafter | None = None  # the adaptive drafter, when one is trained
@@ -116,7 +116,7 @@ def rl_step(s: RunState) -> dict:
 
     # 1. Rollout: group_size samples for each of prompts_per_step prompts; this worker
     #    generates a contiguous shard of the prompts, each from its global sampling stream.
-    prompts = step_prompts(s.train_rows, cfg.run.seed, s.step, roll.prompts_per_step)
+    prompts = [s.train_rows[i] for i in s.order.indices(s.step)]
     lo, hi = w.shard(len(prompts))
     batch = prompts[lo:hi]
     params = SamplingParams(temperature=roll.temperature, top_p=roll.top_p, max_new_tokens=roll.max_new_tokens,
@@ -140,7 +140,7 @@ def rl_step(s: RunState) -> dict:
 
     # 3. Rewards (a failing reward scores 0 and is counted; when every one fails the run
     #    stops here, before the update), with the optional overlong penalty.
-    correct = score_rewards(s, reward_items(batch, completions))
+    correct, by_function = score_rewards(s, reward_items(batch, completions))
     rewards = correct.view(len(batch), roll.group_size).clone()
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float)
     if rl.overlong == "penalty":
@@ -180,7 +180,7 @@ def rl_step(s: RunState) -> dict:
     # 7. Drafter: with one worker, spot training runs in a window after the update (opt-in);
     #    the drafters trained on idle workers are averaged into the one every engine runs.
     if s.drafter is not None:
-        if w.world == 1 and cfg.drafter.single_worker == "window":
+        if w.world == 1 and cfg.spot.single_worker == "window":
             drafter = s.drafter.train_in_window()
             clock.mark("spot")
         s.drafter.publish(drafter["steps"] if drafter else 0)
@@ -198,6 +198,7 @@ def rl_step(s: RunState) -> dict:
     spot_end = clock.spans[-1][2] if drafter is None else next(b for n, _, b in clock.spans if n == "spot")
     mine = {
         "correct": correct.tolist(), "rewards": rewards.flatten().tolist(), "lengths": lengths.tolist(),
+        "by_function": by_function if len(by_function) > 1 else {},
         "truncated": sum(c.finish_reason == "length" for c in completions), "kept": keep.sum().item(),
         "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
         "accept_lens": rollout.accept_lens, "tail_s": rollout.tail_seconds(),
@@ -206,9 +207,10 @@ def rl_step(s: RunState) -> dict:
         "preempt_s": max(0.0, spot_end - last_rollout_end) if drafter and drafter["steps"] and w.world > 1 else None,
         "buffer_dropped": s.drafter.buffer.dropped if s.drafter is not None else 0,
         "reward_failures": s.scorer.failures, "timeline": clock.spans,
-        "samples": sample_log(s, batch, completions, rewards, lo) if logs_samples(cfg, s.step) else [],
+        "samples": sample_log(s, batch, completions, rewards, lo) if logs_samples(cfg, s.step + 1) else [],
     }
-    return merge_step_metrics(w.gather(mine), s.step, update, checksums, s.drafter is not None)
+    row = merge_step_metrics(w.gather(mine), s.step + 1, update, checksums, s.drafter is not None)
+    return {**row, "epoch": s.order.epochs_done(s.step + 1)}
 
 
 def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
@@ -292,9 +294,9 @@ SAMPLES_LOGGED = 4  # prompts per logged step, the first sample of each
 
 
 def logs_samples(cfg: TrainConfig, step: int) -> bool:
-    """Whether step `step` (0-based; the console's step + 1) writes samples."""
+    """Whether step `step` (counted from 1) writes samples: the first, then every N-th."""
     every = cfg.run.log_samples_every
-    return every > 0 and ((step + 1) % every == 0 or step == 0)
+    return every > 0 and (step % every == 0 or step == 1)
 
 
 def sample_log(s: RunState, batch: list, completions: list, rewards: torch.Tensor, first: int) -> list[dict]:
@@ -342,33 +344,6 @@ def prompt_limit(cfg: TrainConfig, context: int) -> int:
     return min(cfg.data.max_prompt_tokens, context - 1)
 
 
-def _datasets(cfg: TrainConfig, tokenizer, limit: int, log) -> tuple[list, list, int]:
-    """(train rows, eval rows, prompts skipped as longer than `limit` tokens)."""
-    if cfg.data.train == "builtin":
-        from tailtamer.demo import HELD_OUT_SEED
-        from tailtamer.tasks.arithmetic import ArithmeticTask
-
-        task = ArithmeticTask()
-        def rows(problems):
-            return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
-        train = rows(task.dataset(cfg.data.n_builtin, seed=cfg.run.seed + 17))
-        evals = rows(task.dataset(cfg.data.n_eval, seed=HELD_OUT_SEED)) if cfg.data.eval is None else None
-        skipped = 0
-    else:
-        train, skipped = load_task_rows(cfg.data.train, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
-        evals = []
-        if cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
-            train, evals = held_out_split(train, cfg.data.n_eval, cfg.run.seed)
-            if evals:
-                log(f"data.eval not given: holding out {len(evals)} of the {len(train) + len(evals)} prompts of "
-                    f"{cfg.data.train} for evaluation (data.n_eval, at most a tenth; give data.eval=FILE, or "
-                    f"run.eval_every=0 to train on all)")
-    if cfg.data.eval is not None:
-        evals, more = load_task_rows(cfg.data.eval, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
-        skipped += more
-    return train, evals[: cfg.data.n_eval], skipped
-
-
 def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
     """Resolve the built-ins into paths, once, before workers load anything: the base model
     (trained by `tailtamer sft` on first use) and its warm-up drafter."""
@@ -395,14 +370,17 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     tokenizer = load_tokenizer(model_dir)
     model_cfg = load_config(model_dir)
     check_tokenizer_fits(tokenizer, model_cfg, model_dir)
-    train_rows, eval_rows, skipped = _datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings), log)
+    train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings), log)
     prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
     if prompts < workers.world:
         raise ConfigError(f"run.workers: {workers.world} workers but only {prompts} prompts per step "
                           f"(rollout.prompts_per_step={cfg.rollout.prompts_per_step}, {len(train_rows)} training "
                           f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: start at most "
                           f"{prompts} workers or raise rollout.prompts_per_step")
-    scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s)
+    if "auto" in cfg.rl.reward:
+        check_routes(train_rows, cfg.data.train)
+        check_routes(eval_rows, cfg.data.eval or cfg.data.train)
+    scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s, cfg.rl.reward_weights)
     make_opt = lambda model: make_optimizer(model, cfg.rl, cfg.run.steps)  # noqa: E731
     state = {"step": 0}
     if resume is not None:
@@ -417,16 +395,17 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
                     speculator=make_speculator(cfg.spec, model))
     adaptive = None
     # With one worker and no training window there is no time to train the drafter in.
-    trains = workers.world > 1 or cfg.drafter.single_worker == "window"
-    if cfg.drafter.train and trains and engine.proposer is not None and engine.proposer.drafter is not None:
+    trains = workers.world > 1 or cfg.spot.single_worker == "window"
+    if cfg.spot.train and trains and engine.proposer is not None and engine.proposer.drafter is not None:
         if resume is not None and (checkpoint / "drafter").is_dir():
             engine.proposer.drafter.load_state_dict(load_drafter(checkpoint / "drafter", model).state_dict())
-        frozen = load_drafter(cfg.spec.drafter, model) if cfg.drafter.compare_frozen else None
+        frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
         score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
-        adaptive = AdaptiveDrafter(engine.proposer.drafter, cfg.drafter, workers, cfg.run.seed * 1009 + workers.rank,
+        adaptive = AdaptiveDrafter(engine.proposer.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
                                    Strategy.parse(cfg.spec.strategy).depth, score, frozen)
+    order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
-                    workers, ref_model, adaptive, step=state["step"], skipped_prompts=skipped,
+                    order, workers, ref_model, adaptive, step=state["step"], skipped_prompts=skipped,
                     saved_step=state["step"] if resume is not None else None)
 
 
@@ -492,8 +471,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
             atomic_write_text(s.run_dir / "config.yaml", yaml.safe_dump(to_dict(s.cfg), sort_keys=False))
         else:
             record_resume(s.run_dir, s.step, to_dict(cfg), changes, log)
-        s.history = keep_metrics_before(s.run_dir / "metrics.jsonl", s.step, log)
-        keep_metrics_before(s.run_dir / "samples.jsonl", s.step, log)
+        s.history = keep_metrics_through(s.run_dir / "metrics.jsonl", s.step, log)
+        keep_metrics_through(s.run_dir / "samples.jsonl", s.step, log)
     if s.skipped_prompts:
         limit = prompt_limit(cfg, s.model.config.max_position_embeddings)
         log(f"skipped {s.skipped_prompts} prompts longer than {limit} tokens (data.max_prompt_tokens="

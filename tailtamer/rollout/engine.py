@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tailtamer.config_fields import f
 from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.transformer import KVCache, Transformer
 from tailtamer.rollout.sampling import SamplingParams, request_key, sample, target_probs, uniforms
@@ -37,11 +38,10 @@ class NonFiniteLogits(TailtamerError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # cache slots = requests decoded together; 512 holds a 64 x 8 rollout at once, 1.7x the
-    # tokens/s of 64 on the base model (README, `tailtamer generate`); slots = min(this, requests)
-    max_batch_size: int = 512
-    max_seq_len: int | None = None  # prompt + response limit; default: the model's context
-    max_tokens: int | None = None  # admit while sum(prompt + max_new_tokens) of running requests fits
+    # 512 holds a 64 x 8 rollout at once, 1.7x the tokens/s of 64 on the base model (README)
+    max_batch_size: int = f(512, "requests decoded together (cache slots = min(this, requests))")
+    max_seq_len: int | None = f(None, "prompt + response limit; default: the model's context")
+    max_tokens: int | None = f(None, "admit while sum(prompt + max_new_tokens) of running requests fits")
 
     def __post_init__(self):
         if self.max_batch_size < 1:
