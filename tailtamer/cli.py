@@ -174,7 +174,7 @@ def cmd_init_model(args) -> None:
 
     fresh_output_dir(args.out, "--out")
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else char_tokenizer()
-    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[args.arch]
+    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[args.arch]
     cfg = preset_config(args.preset, tokenizer.vocab_size, architecture=arch,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = init_model(cfg, seed=args.seed)
@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("init-model", help="write a randomly initialised model of a preset size")
     i.add_argument("--preset", required=True)
     i.add_argument("--out", required=True)
-    i.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    i.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
     i.add_argument("--tokenizer", help="directory with tokenizer.json (default: the built-in character tokenizer)")
     i.add_argument("--seed", type=seed, default=0)
     i.set_defaults(func=cmd_init_model)

@@ -27,7 +27,50 @@ def test_checkpoint_has_sglang_eagle_names_and_no_shared_tensors(target, tmp_pat
                    for k in keys)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+    assert cfg["qkv_bias"] is True  # for loaders that read the flag (EAGLE's), not the architecture
     assert load_file(tmp_path / "model.safetensors")["fc.weight"].shape == (64, 128)
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_llama_drafter_config_says_whether_q_k_v_have_bias(tmp_path, attention_bias):
+    target = random_model(tiny_config(architecture="LlamaForCausalLM", attention_bias=attention_bias))
+    save_drafter(init_drafter(target), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["qkv_bias"] is attention_bias and cfg["attention_bias"] is attention_bias
+    assert ("layers.0.self_attn.q_proj.bias" in load_file(tmp_path / "model.safetensors")) is attention_bias
+
+
+@pytest.fixture
+def qwen3_target():
+    return random_model(tiny_config(architecture="Qwen3ForCausalLM", head_dim=24))
+
+
+def test_a_qwen3_targets_drafter_is_a_llama_eagle_one(qwen3_target, tmp_path):
+    """SGLang's LlamaForCausalLMEagle layout: a Llama layer (no q/k norms) of the target's head_dim."""
+    drafter = init_drafter(qwen3_target, seed=2)
+    assert drafter.layers[0].self_attn.q_norm is None
+    save_drafter(drafter, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["model_type"] == "llama"
+    assert cfg["head_dim"] == 24 and cfg["qkv_bias"] is False and cfg["attention_bias"] is False
+    keys = set(load_file(tmp_path / "model.safetensors"))
+    assert "layers.0.self_attn.q_proj.weight" in keys and not any("q_norm" in k or "k_norm" in k for k in keys)
+    loaded = load_drafter(tmp_path, qwen3_target)
+    assert weights_checksum(loaded) == weights_checksum(drafter)
+    seq = torch.randint(5, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, h = qwen3_target(seq)
+        full, _ = loaded(seq[:, 1:], h[:, :-1])
+        step, _ = loaded.decode(seq[:, 1:], h[:, :-1], loaded.new_cache(1, 32), slice(0, 1), torch.tensor([0]))
+    assert (step - full).abs().max() < 1e-4
+
+
+def test_a_qwen2_drafter_does_not_fit_a_qwen3_target(qwen3_target, tmp_path):
+    other = random_model(tiny_config(head_dim=24))
+    save_drafter(init_drafter(other), tmp_path)
+    with pytest.raises(CheckpointError, match="architecture: drafter Qwen2ForCausalLMEagle but a Qwen3ForCausalLM "
+                                              "target takes LlamaForCausalLMEagle"):
+        load_drafter(tmp_path, qwen3_target)
 
 
 def test_round_trip_and_checksum(target, tmp_path):

@@ -1,9 +1,11 @@
-"""Our decoder against transformers' Qwen2ForCausalLM / LlamaForCausalLM on the same weights."""
+"""Our decoder against transformers' Qwen2ForCausalLM / LlamaForCausalLM / Qwen3ForCausalLM on the
+same weights (directories written here; tests/test_architectures.py loads transformers' own)."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tailtamer.model.config import Llama3RopeScaling
 from tailtamer.model.io import load_model, save_model
 from tailtamer.model.transformer import KVCache
 from conftest import random_model, tiny_config
@@ -14,6 +16,8 @@ CONFIGS = [
     dict(architecture="LlamaForCausalLM", attention_bias=True, mlp_bias=True, num_key_value_heads=4),
     dict(architecture="LlamaForCausalLM", tie_word_embeddings=True, hidden_size=48, num_attention_heads=6,
          num_key_value_heads=3, head_dim=16, num_hidden_layers=3),
+    dict(architecture="Qwen3ForCausalLM", head_dim=24, attention_bias=True),
+    dict(architecture="LlamaForCausalLM", rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 64)),
 ]
 
 

@@ -1,9 +1,13 @@
 """Model hyper-parameters, read from and written to Hugging Face `config.json` fields.
 
-Two architectures are supported, both plain pre-norm decoders with RMSNorm, rotary
+Three architectures are supported, all plain pre-norm decoders with RMSNorm, rotary
 embeddings, grouped-query attention and a SwiGLU MLP:
   - `Qwen2ForCausalLM`: bias on q/k/v projections, none elsewhere.
   - `LlamaForCausalLM`: `attention_bias` (q/k/v/o) and `mlp_bias` flags, both usually off.
+  - `Qwen3ForCausalLM`: an RMSNorm over each q and k head (`q_norm`, `k_norm`, before the
+    rotation), an `attention_bias` flag (q/k/v/o, usually off) and an explicit `head_dim`.
+Rotary frequencies are plain RoFormer ones (`rope_type` 'default') or Llama 3.1's scaled ones
+('llama3').
 """
 
 from __future__ import annotations
@@ -14,7 +18,44 @@ from typing import Any
 
 from tailtamer.errors import CheckpointError, ConfigError
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """`rope_type: llama3` parameters (frozen and hashable: rotary tables are cached by them).
+    Error messages start with the parameter's name, for the caller to prefix with its field's."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(f"high_freq_factor ({self.high_freq_factor}) must be greater than "
+                              f"low_freq_factor ({self.low_freq_factor})")
+        value = self.original_max_position_embeddings
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"original_max_position_embeddings must be a positive integer, got {value!r}")
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"rope_type": "llama3", **asdict(self)}
+
+    @classmethod
+    def from_hf(cls, rope: dict[str, Any], field: str) -> "Llama3RopeScaling":
+        missing = [f.name for f in fields(cls) if f.name not in rope]
+        if missing:
+            raise ConfigError(f"{field} of rope_type 'llama3' is missing {', '.join(missing)}")
+        try:
+            return cls(**{f.name: rope[f.name] for f in fields(cls)})
+        except ConfigError as e:
+            raise ConfigError(f"{field}.{e}") from None
 
 
 @dataclass(frozen=True)
@@ -31,8 +72,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Llama only: bias on q/k/v/o (Qwen2 always has q/k/v bias)
+    attention_bias: bool = False  # Llama and Qwen3: bias on q/k/v/o (Qwen2 always has q/k/v bias)
     mlp_bias: bool = False  # Llama only
+    rope_scaling: Llama3RopeScaling | None = None  # None: rope_type 'default'
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -66,6 +108,10 @@ class ModelConfig:
             raise ConfigError(f"bos_token_id, eos_token_id and pad_token_id must be token ids (integers in "
                               f"[0, vocab_size={self.vocab_size})), got {self.bos_token_id!r}, {self.eos_token_id!r}, "
                               f"{self.pad_token_id!r}")
+        if self.mlp_bias and self.architecture != "LlamaForCausalLM":
+            raise ConfigError(f"mlp_bias is a LlamaForCausalLM option; {self.architecture} has no MLP bias")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ConfigError(f"rope_scaling must be None or a Llama3RopeScaling, got {self.rope_scaling!r}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -86,7 +132,11 @@ class ModelConfig:
 
     @property
     def o_bias(self) -> bool:
-        return self.architecture == "LlamaForCausalLM" and self.attention_bias
+        return self.architecture != "Qwen2ForCausalLM" and self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture == "Qwen3ForCausalLM"
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -100,7 +150,8 @@ class ModelConfig:
         h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
         q, kv = self.num_attention_heads * self.head_size, self.num_key_value_heads * self.head_size
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
-        layer = attn + 3 * h * i + 2 * h
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * h + (2 * self.head_size if self.qk_norm else 0)
         return v * h * (1 if self.tie_word_embeddings else 2) + L * layer + h
 
     @classmethod
@@ -113,8 +164,8 @@ class ModelConfig:
                 or not isinstance(raw.get("model_type", ""), str):
             raise CheckpointError(f"{source}: architectures must be a list of names and model_type a name, got "
                                   f"{archs!r}, {raw.get('model_type')!r}")
-        arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}.get(
-            raw.get("model_type", ""), raw.get("model_type"))
+        by_type = {v: k for k, v in ARCHITECTURES.items()}
+        arch = archs[0] if archs else by_type.get(raw.get("model_type", ""), raw.get("model_type"))
         if arch not in ARCHITECTURES:
             raise CheckpointError(
                 f"{source}: architecture {arch!r} is not supported; tailtamer loads {sorted(ARCHITECTURES)}"
@@ -123,17 +174,23 @@ class ModelConfig:
                                "num_attention_heads") if k not in raw]
         if missing:
             raise CheckpointError(f"{source}: missing required field(s) {', '.join(missing)}")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        # transformers 5 reads `rope_scaling` (4.x's name) first when a file has both
+        rope_field = "rope_scaling" if raw.get("rope_scaling") is not None else "rope_parameters"
+        rope = raw.get(rope_field) or {}
         if not isinstance(rope, dict):
             raise CheckpointError(f"{source}: rope_scaling / rope_parameters must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
+        if rope_type not in ROPE_TYPES:
+            raise CheckpointError(f"{source}: {rope_field}.rope_type {rope_type!r} is not supported; "
+                                  f"supported: {', '.join(map(repr, ROPE_TYPES))}")
         if raw.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
         if raw.get("use_sliding_window"):
             raise CheckpointError(f"{source}: sliding-window attention is not supported")
-        qwen2 = arch == "Qwen2ForCausalLM"
+        layer_types = raw.get("layer_types") or []
+        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+            raise CheckpointError(f"{source}: layer_types must all be 'full_attention' (sliding-window attention "
+                                  f"is not supported), got {layer_types!r}")
 
         def number(name: str, default: float, where: dict = raw) -> float:
             value = where.get(name, default)
@@ -141,11 +198,11 @@ class ModelConfig:
                 raise CheckpointError(f"{source}: {name} must be a number, got {value!r}")
             return float(value)
 
-        def flag(name: str) -> bool:
+        def flag(name: str, applies: bool = True) -> bool:
             value = raw.get(name, False)
             if not isinstance(value, bool):
                 raise CheckpointError(f"{source}: {name} must be true or false, got {value!r}")
-            return value
+            return value and applies
 
         try:
             return cls(
@@ -156,13 +213,15 @@ class ModelConfig:
                 num_hidden_layers=raw["num_hidden_layers"],
                 num_attention_heads=raw["num_attention_heads"],
                 num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-                head_dim=raw.get("head_dim"),
+                # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads
+                head_dim=raw.get("head_dim", 128 if arch == "Qwen3ForCausalLM" else None),
                 max_position_embeddings=raw.get("max_position_embeddings", 2048),
                 rope_theta=number("rope_theta", number("rope_theta", 10000.0), rope),
+                rope_scaling=Llama3RopeScaling.from_hf(rope, rope_field) if rope_type == "llama3" else None,
                 rms_norm_eps=number("rms_norm_eps", 1e-6),
                 tie_word_embeddings=flag("tie_word_embeddings"),
-                attention_bias=False if qwen2 else flag("attention_bias"),
-                mlp_bias=False if qwen2 else flag("mlp_bias"),
+                attention_bias=flag("attention_bias", arch != "Qwen2ForCausalLM"),
+                mlp_bias=flag("mlp_bias", arch == "LlamaForCausalLM"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=raw.get("eos_token_id"),
                 pad_token_id=raw.get("pad_token_id"),
@@ -172,7 +231,7 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """`config.json` fields that both transformers 4.x and 5.x read."""
-        qwen2 = self.architecture == "Qwen2ForCausalLM"
+        rope = self.rope_scaling.to_hf() if self.rope_scaling else {"rope_type": "default"}
         out: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": ARCHITECTURES[self.architecture],
@@ -186,7 +245,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": {**rope, "rope_theta": self.rope_theta},
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
@@ -194,10 +253,14 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
             "torch_dtype": "float32",
         }
-        if qwen2:
+        if self.rope_scaling:  # where transformers 4.x (and SGLang on it) looks for the scaling
+            out["rope_scaling"] = rope
+        if self.architecture != "LlamaForCausalLM":
             out.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
-        else:
-            out.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+        if self.architecture != "Qwen2ForCausalLM":
+            out["attention_bias"] = self.attention_bias
+        if self.architecture == "LlamaForCausalLM":
+            out["mlp_bias"] = self.mlp_bias
         return out
 
     def replace(self, **changes) -> "ModelConfig":

@@ -8,8 +8,23 @@ decoder layer has no input norm (its input is already a mix of normalised featur
 there is no final norm, as in EAGLE and SGLang's `LlamaForCausalLMEagle` /
 `Qwen2ForCausalLMEagle`.
 
+Drafter architecture by target (`EAGLE_ARCHITECTURES`; the drafter's layer is the loader's):
+  Qwen2ForCausalLM -> Qwen2ForCausalLMEagle   a Qwen2 layer (q/k/v bias)
+  LlamaForCausalLM -> LlamaForCausalLMEagle   a Llama layer (the target's attention/MLP bias flags)
+  Qwen3ForCausalLM -> LlamaForCausalLMEagle   a Llama layer: no q_norm / k_norm, the target's
+                                              head_dim, attention_bias and rotary settings
+Why Llama for Qwen3: the EAGLE authors and SpecForge draft with a Llama-architecture model
+whatever the target (SafeAILab/EAGLE#307; the Qwen3 drafters listed in vllm-project/vllm#22333
+are all Llama ones), and SGLang's one-layer EAGLE loaders, `llama_eagle.py` and
+`qwen2_eagle.py`, read this layout (`fc.*`, `layers.0.*`; the Llama layer takes
+`attention_bias` and `head_dim` from config.json). The `Qwen3ForCausalLMEagle` in one SGLang snapshot (qwen3_eagle.py)
+is another layout (its projection is `eagle_fc`, its layer has q/k norms).
+
 Drafter directories (the SGLang EAGLE layout):
-  config.json        the target's config with `architectures: [<Arch>Eagle]`, num_hidden_layers 1
+  config.json        the target's config with `architectures: [<Arch>Eagle]` (and the layer's
+                     model_type), num_hidden_layers 1 and `qkv_bias` (EAGLE's reference code
+                     reads it; SGLang's Qwen2 layer always has the bias, its Llama layer reads
+                     `attention_bias`)
   model.safetensors  fc.weight (H, 2H), fc.bias (H), layers.0.self_attn.{q,k,v,o}_proj.*,
                      layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight
                      (no `model.` prefix, no embed_tokens, no lm_head: SGLang shares the target's)
@@ -32,19 +47,27 @@ from tailtamer.model.io import check_finite, check_state_dict, init_weights_, re
 from tailtamer.model.transformer import (DecoderLayer, KVCache, Transformer, decode_inputs, join_fused, rotary,
                                          split_fused)
 
-EAGLE_ARCHITECTURES = {"Qwen2ForCausalLM": "Qwen2ForCausalLMEagle", "LlamaForCausalLM": "LlamaForCausalLMEagle"}
+EAGLE_ARCHITECTURES = {"Qwen2ForCausalLM": "Qwen2ForCausalLMEagle", "LlamaForCausalLM": "LlamaForCausalLMEagle",
+                       "Qwen3ForCausalLM": "LlamaForCausalLMEagle"}
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
 # The drafter runs with the target's own values of these: a drafter trained with others would
 # be silently wrong.
 MATCHING_FIELDS = ("architecture", "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
-                   "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "attention_bias", "mlp_bias")
+                   "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps", "attention_bias",
+                   "mlp_bias")
+
+
+def eagle_config(target_cfg: ModelConfig) -> ModelConfig:
+    """The drafter's config for a target: one layer, of its EAGLE loader's architecture."""
+    layer = EAGLE_ARCHITECTURES[target_cfg.architecture].removesuffix("Eagle")
+    return target_cfg.replace(num_hidden_layers=1, architecture=layer)
 
 
 class Drafter(nn.Module):
     def __init__(self, target: Transformer):
         super().__init__()
         cfg = target.config
-        self.config = cfg.replace(num_hidden_layers=1)
+        self.config = eagle_config(cfg)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         layer = DecoderLayer(self.config)
         layer.input_layernorm = nn.Identity()
@@ -84,8 +107,11 @@ class Drafter(nn.Module):
 
 
 def check_fits(drafter_cfg: ModelConfig, target_cfg: ModelConfig, source: str) -> None:
-    wrong = [f"{f}: drafter {getattr(drafter_cfg, f)} vs target {getattr(target_cfg, f)}"
-             for f in MATCHING_FIELDS if getattr(drafter_cfg, f) != getattr(target_cfg, f)]
+    expected = eagle_config(target_cfg)
+    wrong = [f"architecture: drafter {EAGLE_ARCHITECTURES[drafter_cfg.architecture]} but a "
+             f"{target_cfg.architecture} target takes {EAGLE_ARCHITECTURES[target_cfg.architecture]}"
+             if f == "architecture" else f"{f}: drafter {getattr(drafter_cfg, f)} vs target {getattr(expected, f)}"
+             for f in MATCHING_FIELDS if getattr(drafter_cfg, f) != getattr(expected, f)]
     if wrong:
         raise CheckpointError(f"{source} does not fit the target model: " + "; ".join(wrong))
 
@@ -111,6 +137,7 @@ def write_drafter(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
     atomic_write(out_dir / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     hf = cfg.to_hf()
     hf["architectures"] = [EAGLE_ARCHITECTURES[cfg.architecture]]
+    hf["qkv_bias"] = cfg.qkv_bias
     atomic_write_json(out_dir / "config.json", hf)
 
 
@@ -125,11 +152,10 @@ def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
     path = drafter_dir / "config.json"
     raw = read_json(path, "config.json")
     arch = (raw.get("architectures") or [None])[0]
-    base = {v: k for k, v in EAGLE_ARCHITECTURES.items()}.get(arch)
-    if base is None:
+    if arch not in EAGLE_ARCHITECTURES.values():
         raise CheckpointError(f"{path}: architecture {arch!r} is not an EAGLE drafter; "
-                              f"expected one of {sorted(EAGLE_ARCHITECTURES.values())}")
-    cfg = ModelConfig.from_hf({**raw, "architectures": [base]}, source=str(path))
+                              f"expected one of {sorted(set(EAGLE_ARCHITECTURES.values()))}")
+    cfg = ModelConfig.from_hf({**raw, "architectures": [arch.removesuffix("Eagle")]}, source=str(path))
     if cfg.num_hidden_layers != 1:
         raise CheckpointError(f"{path}: an EAGLE drafter has num_hidden_layers 1, got {cfg.num_hidden_layers}")
     check_fits(cfg, target.config, f"drafter {drafter_dir}")

@@ -1,7 +1,12 @@
-"""Hugging Face model directories in and out: `config.json` + `model.safetensors`.
+"""Hugging Face model directories in and out: `config.json` + `model.safetensors` (+
+`generation_config.json`).
 
 Our parameter names are transformers' without the `model.` prefix (`lm_head` keeps its name),
 so a directory written here loads in `AutoModelForCausalLM` and gives the same logits.
+
+A model stops on the end-of-sequence ids of config.json and of generation_config.json, in
+that order: chat models often name their turn end only in the latter (Qwen2.5-Instruct's
+config.json has <|im_end|>; its generation_config.json adds <|endoftext|>).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tailtamer.atomic import atomic_write, atomic_write_json
-from tailtamer.errors import CheckpointError
+from tailtamer.errors import CheckpointError, ConfigError
 from tailtamer.model.config import ModelConfig
 from tailtamer.model.dirs import check_model_dir
 from tailtamer.model.tokenizer import load_tokenizer
@@ -49,11 +54,49 @@ def read_json(path: Path, what: str) -> dict:
         raise CheckpointError(f"{path}: malformed JSON ({e})") from None
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
+def token_ids(value) -> list[int] | None:
+    """An id or a list of ids as a list; None for anything else."""
+    ids = value if isinstance(value, list) else [value]
+    return ids if all(isinstance(i, int) and not isinstance(i, bool) for i in ids) else None
+
+
+def read_generation_config(model_dir: Path) -> dict:
+    """generation_config.json's fields (none without one), its eos_token_id checked."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    raw = read_json(path, "generation_config.json")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    eos = raw.get("eos_token_id")
+    if eos is not None and token_ids(eos) is None:
+        raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
+    return raw
+
+
+def with_generation_eos(cfg: ModelConfig, generation: dict, source: Path) -> ModelConfig:
+    """`cfg` stopping on generation_config.json's end-of-sequence ids too (after its own)."""
+    ids = list(dict.fromkeys(cfg.eos_ids + tuple(token_ids(generation.get("eos_token_id")) or ())))
+    if ids == list(cfg.eos_ids):
+        return cfg
+    try:
+        return cfg.replace(eos_token_id=ids[0] if len(ids) == 1 else ids)
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def read_configs(model_dir: str | Path) -> tuple[ModelConfig, dict]:
+    """The model's config (with every stop id) and its generation_config.json fields."""
     model_dir = Path(model_dir)
     check_model_dir(model_dir)
     path = model_dir / "config.json"
-    return ModelConfig.from_hf(read_json(path, "config.json"), source=str(path))
+    cfg = ModelConfig.from_hf(read_json(path, "config.json"), source=str(path))
+    generation = read_generation_config(model_dir)
+    return with_generation_eos(cfg, generation, model_dir / "generation_config.json"), generation
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    return read_configs(model_dir)[0]
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -129,8 +172,8 @@ def load_pretrained(model_dir: str | Path, dtype: str | torch.dtype = "float32",
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
-    model_dir = Path(model_dir)
-    cfg = load_config(model_dir)
+    model_dir, dtype = Path(model_dir), parse_dtype(dtype)
+    cfg, generation = read_configs(model_dir)
     raw = {from_hf_key(k): v for k, v in read_safetensors(model_dir).items()}
     layers = {int(k.split(".")[1]) for k in raw if k.startswith("layers.") and k.split(".")[1].isdigit()}
     if len(layers) != cfg.num_hidden_layers:  # before building a model of the config's size
@@ -144,15 +187,20 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
         raw.pop("lm_head.weight", None)
     check_state_dict(expected, raw, f"{model_dir / 'model.safetensors'}")
     check_finite(raw, f"{model_dir / 'model.safetensors'}")
-    model = model.to_empty(device=device)
+    # in the final dtype before loading, so that each weight is rounded once (a float64
+    # checkpoint loaded as float64 stays exact)
+    model = model.to_empty(device=device).to(dtype)
     model.load_state_dict(join_fused(raw, cfg), strict=False, assign=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.to(parse_dtype(dtype)).eval()
+    model.generation_config = generation
+    return model.eval()
 
 
 def save_model(model: Transformer, model_dir: str | Path) -> None:
-    """Write config.json and model.safetensors (float32, or the model's dtype if wider)."""
+    """Write config.json, model.safetensors (float32, or the model's dtype if wider) and
+    generation_config.json: the one the model was loaded with (its sampling defaults are for
+    whoever serves the model next) with every stop id."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config
@@ -164,6 +212,9 @@ def save_model(model: Transformer, model_dir: str | Path) -> None:
     hf = cfg.to_hf()
     hf["torch_dtype"] = "float64" if store == torch.float64 else "float32"
     atomic_write_json(model_dir / "config.json", hf)
+    ids = {k: hf[k] for k in ("bos_token_id", "pad_token_id") if hf[k] is not None}
+    atomic_write_json(model_dir / "generation_config.json",
+                      {**ids, **model.generation_config, "eos_token_id": cfg.eos_token_id})
 
 
 def init_weights_(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:

@@ -1,4 +1,4 @@
-"""Llama/Qwen2-family decoder with three entry points.
+"""Llama/Qwen2/Qwen3-family decoder with three entry points.
 
 - `forward(ids)`: full-sequence causal pass for training; returns logits and final hidden states.
 - `prefill(ids, cache, slots)`: `decode` from position 0 over right-padded prompts.
@@ -14,13 +14,14 @@ The "hidden states" returned are the final, post-norm ones: what EAGLE drafters 
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailtamer.model.config import ModelConfig
+from tailtamer.model.config import Llama3RopeScaling, ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -38,13 +39,33 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+def llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent RoPE scaling, which stretches Llama 3's 8K context to
+    128K ("The Llama 3 Herd of Models", Meta 2024; the formula is `apply_scaling` in Meta's
+    reference code, github.com/meta-llama/llama-models, and transformers' rope_type 'llama3').
+
+    With L = original_max_position_embeddings and a frequency f's wavelength λ = 2π / f:
+      λ < L / high_freq_factor   (over high_freq_factor turns within L):  f, unchanged
+      λ > L / low_freq_factor    (under low_freq_factor turns within L):  f / factor
+      otherwise                  (blended):  (1 − s)·f / factor + s·f,
+                                  s = (L / λ − low_freq_factor) / (high_freq_factor − low_freq_factor)
+    s runs from 0 to 1 across the blended band, so clamping it to [0, 1] gives all three cases."""
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    turns = scaling.original_max_position_embeddings * inv_freq / (2 * math.pi)  # L / λ
+    blend = ((turns - low) / (high - low)).clamp(0, 1)
+    return (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+
+
 @lru_cache(maxsize=32)
-def rotary_table(rope_theta: float, head_dim: int, length: int, device: torch.device, dtype: torch.dtype):
+def rotary_table(rope_theta: float, head_dim: int, length: int, device: torch.device, dtype: torch.dtype,
+                 scaling: Llama3RopeScaling | None = None):
     """cos and sign-folded sin for positions 0..length-1, each (length, head_dim), computed in
     float64 and rounded once (transformers computes the angles in float32 for float32
     models; the difference is below float32 rounding of the result)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
     inv_freq = 1.0 / rope_theta ** exponents
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     if dtype != torch.float64:  # the angles as transformers rounds them
         inv_freq = inv_freq.float()
     angles = torch.arange(length, device=device, dtype=inv_freq.dtype)[:, None] * inv_freq
@@ -60,7 +81,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """q, k and v come from one fused projection (checkpoints keep transformers' three)."""
+    """q, k and v come from one fused projection (checkpoints keep transformers' three).
+    Qwen3 normalises each q and k head (`q_norm`, `k_norm`, over head_dim) before the rotation."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -68,13 +90,18 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, mask=None, kv=None):
         """`mask`: additive (B, 1, T, S) or None for causal; `kv`: (one layer's cache, CacheView) or None."""
         B, T, _ = x.shape
         nh, nkv = self.n_heads, self.n_kv
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, nh + 2 * nkv, self.head_dim)
-        qk = apply_rotary(qkv[:, :, : nh + nkv], cos, sin)  # q and k heads rotate together
+        qk = qkv[:, :, : nh + nkv]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm.forward(qk[:, :, :nh]), self.k_norm.forward(qk[:, :, nh:])), 2)
+        qk = apply_rotary(qk, cos, sin)  # q and k heads rotate together
         q = qk[:, :, :nh].transpose(1, 2)
         if kv is None:
             k, v = qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2)
@@ -213,7 +240,8 @@ class KVCache:
 def rotary(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
     """cos, sin of shape (B, T, 1, head_dim) for absolute `positions` (B, T)."""
     # headroom past the context: draft-tree nodes of a request at its limit (discarded anyway)
-    cos, sin = rotary_table(cfg.rope_theta, cfg.head_size, cfg.max_position_embeddings + 1024, positions.device, dtype)
+    cos, sin = rotary_table(cfg.rope_theta, cfg.head_size, cfg.max_position_embeddings + 1024, positions.device, dtype,
+                            cfg.rope_scaling)
     return cos[positions][:, :, None], sin[positions][:, :, None]
 
 
@@ -252,6 +280,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # generation_config.json's fields, which `model.io` reads and writes back
+        self.generation_config: dict = {}
 
     @property
     def device(self) -> torch.device:
