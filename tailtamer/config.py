@@ -22,6 +22,8 @@ from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LO
 from tailtamer.rl.optim import LR_SCHEDULES
 from tailtamer.rollout.speculator import SpecConfig
 
+DTYPES = ("auto", "float32", "bfloat16")  # run.dtype (tailtamer/device.py:train_dtype)
+
 
 class _YAML12Loader(yaml.SafeLoader):
     """YAML 1.2 scalars: `4_2_8` stays a string (a strategy, not the int 428), `1e-6` is a float
@@ -80,12 +82,18 @@ class RunConfig:
     loggers: tuple[str, ...] = f((), "extra loggers besides metrics.jsonl: tensorboard, wandb (offline unless WANDB_MODE)")
     workers: int = f(0, "worker processes on this machine (0 = one per CPU core); torchrun sets them itself")
     dist_timeout_s: float = f(300.0, "a worker silent for this long in a collective stops the run")
+    device: str | None = f(None, "cpu, cuda or cuda:N (each worker takes its own GPU); empty = cuda when this "
+                                 "PyTorch sees a GPU, else cpu")
+    dtype: str = f("auto", "precision of the policy's training forwards: auto (bfloat16 on a GPU that has it, "
+                           "else float32), float32, bfloat16; weights and optimizer stay float32, log-probs float32")
 
     def __post_init__(self):
         at_least(self, "run", 1, "steps", "keep_checkpoints")
         at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers", "log_samples_every")
         positive(self, "run", "dist_timeout_s")
         at_most(self, "run", 7 * 86400, "dist_timeout_s")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"run.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.name is not None and (not self.name or Path(self.name).name != self.name or self.name in (".", "..")):
             raise ConfigError(f"run.name must be a plain directory name inside run.out_dir, got {self.name!r}")
 
@@ -148,6 +156,8 @@ class RLConfig:
     micro_batch_size: int = f(32, "samples per forward; a minibatch accumulates gradients over its micro-batches")
     micro_batch_tokens: int = f(4096, "padded tokens per forward at most (long samples go fewer to a micro-batch)")
     grad_clip: float = f(1.0, "gradient norm clip")
+    grad_checkpointing: bool = f(False, "recompute each decoder layer in backward instead of keeping its "
+                                        "activations (less memory, ~1/3 more update compute)")
     dynamic_sampling: bool = f(False, "drop groups whose rewards all agree (DAPO)")
     overlong: str = f("none", "truncated responses: none, mask (no loss), or penalty (DAPO soft punishment)")
     overlong_buffer: int = f(64, "penalty: tokens before max_new_tokens where the penalty ramps to -1")

@@ -27,3 +27,51 @@ def resolve_device(name: str | None, field: str = "--device") -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ConfigError(f"{field}: {name} does not exist; this machine has {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+def train_device(name: str | None, local_rank: int) -> torch.device:
+    """The device a training worker runs on: `run.device` resolved, and on CUDA without an
+    index the worker's own GPU (cuda:LOCAL_RANK), made current so NCCL collectives use it."""
+    device = resolve_device(name, "run.device")
+    if device.type == "cuda":
+        if device.index is None:
+            if local_rank >= torch.cuda.device_count():
+                raise ConfigError(f"run.device: worker {local_rank} on this machine has no GPU of its own "
+                                  f"({torch.cuda.device_count()} GPU(s)); start at most that many workers per machine")
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def collective_backend(device: torch.device) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def train_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The precision of the training forwards for `run.dtype`: auto is bfloat16 where the
+    device computes it natively (a CUDA GPU that supports it), float32 elsewhere (this CPU
+    has no fast bfloat16 matmul: it would only be slower)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"run.dtype: {device} does not support bfloat16; use run.dtype=float32")
+    return dtype
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes free on a CUDA device now; None on CPU (tailtamer.memory reads the machine's)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed precision for a forward in `dtype` (weights stay as they are); float32: a no-op."""
+    import contextlib
+
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)

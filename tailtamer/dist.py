@@ -2,7 +2,8 @@
 
 On one machine `tailtamer train` spawns `run.workers` local processes; across machines the
 same worker code runs under `torchrun` (it reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
-from the environment either way). Collectives use gloo on CPU.
+from the environment either way). Collectives use gloo between CPU workers and NCCL between
+GPUs; the tensors they reduce live on the worker's device.
 
 What goes through the store rather than collectives: each worker's state (BUSY while it
 generates, TRAINING while it spot-trains the drafter, IDLE while it waits, DONE at the end),
@@ -31,6 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tailtamer.device import collective_backend
 from tailtamer.errors import TailtamerError
 from tailtamer.stopping import Interrupted, StopRequest
 from tailtamer.rl.batching import Samples, balanced_shares_by_group, needed_width
@@ -45,23 +47,25 @@ class WorkerError(TailtamerError):
 class Workers:
     """This process's place in the worker group, and the few operations the RL step needs."""
 
-    def __init__(self, rank: int = 0, world: int = 1, store: dist.Store | None = None):
-        self.rank, self.world, self.store = rank, world, store
+    def __init__(self, rank: int = 0, world: int = 1, store: dist.Store | None = None,
+                 device: torch.device = torch.device("cpu")):
+        self.rank, self.world, self.store, self.device = rank, world, store, device
         self._calls: dict[str, int] = {}
 
     @classmethod
-    def from_env(cls, timeout_s: float) -> "Workers":
-        """Join the group described by the torchrun-style environment (one worker without it)."""
+    def from_env(cls, timeout_s: float, device: torch.device = torch.device("cpu")) -> "Workers":
+        """Join the group described by the torchrun-style environment (one worker without it),
+        over NCCL when this worker runs on a GPU, gloo otherwise."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
-            return cls()
+            return cls(device=device)
         rank = int(os.environ["RANK"])
         timeout = datetime.timedelta(seconds=timeout_s)
         store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))
         store.set_timeout(timeout)
-        dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                                timeout=timeout)
-        return cls(rank, world, dist.PrefixStore("tailtamer", store))
+        dist.init_process_group(collective_backend(device), store=dist.PrefixStore("pg", store), rank=rank,
+                                world_size=world, timeout=timeout)
+        return cls(rank, world, dist.PrefixStore("tailtamer", store), device)
 
     @property
     def is_main(self) -> bool:
@@ -94,10 +98,11 @@ class Workers:
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Σ over workers (a new tensor)."""
-        x = x.clone()
-        if self.world > 1:
-            dist.all_reduce(x)
-        return x
+        if self.world == 1:
+            return x.clone()
+        y = x.to(self.device, copy=True)
+        dist.all_reduce(y)
+        return y.to(x.device)
 
     def any(self, flag: bool) -> bool:
         """True on every worker if `flag` is true on any."""
@@ -175,7 +180,8 @@ class Workers:
         if self.world == 1:
             return
         params = [p for p in module.parameters() if p.requires_grad]
-        flat = torch.cat([p.detach().float().flatten() * weight for p in params] + [torch.tensor([float(weight)])])
+        flat = torch.cat([p.detach().float().flatten() * weight for p in params]
+                         + [torch.tensor([float(weight)], device=params[0].device)])
         dist.all_reduce(flat)
         total = flat[-1].item()
         if total == 0:

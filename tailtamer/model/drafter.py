@@ -165,7 +165,7 @@ def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
     check_state_dict(split_fused(drafter.state_dict(), drafter.config), tensors, str(drafter_dir / "model.safetensors"))
     check_finite(tensors, str(drafter_dir / "model.safetensors"))
     drafter.load_state_dict(join_fused(tensors, drafter.config), strict=False)
-    return drafter.to(target.dtype).eval()
+    return drafter.to(device=target.device, dtype=target.dtype).eval()
 
 
 def weights_checksum(module: nn.Module) -> str:

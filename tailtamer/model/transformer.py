@@ -18,6 +18,7 @@ import math
 from functools import lru_cache
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -282,6 +283,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # generation_config.json's fields, which `model.io` reads and writes back
         self.generation_config: dict = {}
+        # rl.grad_checkpointing: training passes keep only each layer's input and recompute the
+        # layer in backward (activation memory of one layer instead of all of them).
+        self.grad_checkpointing = False
 
     @property
     def device(self) -> torch.device:
@@ -294,7 +298,11 @@ class Transformer(nn.Module):
     def _run(self, ids, positions, mask=None, cache=None, view=None):
         x = self.embed_tokens(ids)
         cos, sin = rotary(self.config, positions, x.dtype)
+        recompute = self.grad_checkpointing and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False)
+                continue
             kv = None if cache is None else (cache.kv[i], view)
             x = layer(x, cos, sin, mask, kv)
         hidden = self.norm(x)

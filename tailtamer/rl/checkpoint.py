@@ -84,9 +84,9 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return path
 
 
-def load_checkpoint(path: Path, optimizer_factory, dtype="float32"):
-    """(model, optimizer, scheduler, state) from a checkpoint directory."""
-    model = load_model(path, dtype)
+def load_checkpoint(path: Path, optimizer_factory, dtype="float32", device="cpu"):
+    """(model, optimizer, scheduler, state) from a checkpoint directory, the model on `device`."""
+    model = load_model(path, dtype, device)
     optimizer, scheduler = optimizer_factory(model)
     # The run's config may have changed its optimizer settings (recorded in resumes.jsonl):
     # the saved state brings back moments and the step, the config the hyperparameters.

@@ -28,6 +28,7 @@ import yaml
 
 from tailtamer.atomic import atomic_write_json, atomic_write_text
 from tailtamer.config import TrainConfig, to_dict
+from tailtamer.device import autocast, resolve_device, train_device, train_dtype
 from tailtamer.dist import Workers, resolve_workers, spawn
 from tailtamer.drafter.adaptive import AdaptiveDrafter
 from tailtamer.errors import ConfigError, TailtamerError
@@ -102,6 +103,7 @@ class RunState:
     workers: Workers = field(default_factory=Workers)
     ref_model: torch.nn.Module | None = None
     drafter: AdaptiveDrafter | None = None  # the adaptive drafter, when one is trained
+    dtype: torch.dtype = torch.float32  # of the training forwards (run.dtype; weights stay float32)
     step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint
     bad_steps: int = 0
@@ -216,15 +218,15 @@ def rl_step(s: RunState) -> dict:
 def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
     """log π_old (and log π_ref) of every micro-batch's tokens, without gradients; the hidden
     states go to the adaptive drafter, for every response (the policy loss may drop some)."""
-    temperature = s.cfg.rollout.temperature
+    temperature, dev = s.cfg.rollout.temperature, s.model.device
     ids, loss_mask = samples.ids, samples.loss_mask
     old, ref = {}, {}
-    with torch.no_grad():
+    with torch.no_grad(), autocast(dev, s.dtype):
         for micro in (m for minibatch in plan for m in minibatch):
-            mb_ids = ids[micro.rows, : micro.width]
+            mb_ids = ids[micro.rows, : micro.width].to(dev)
             logits, hidden = s.model(mb_ids)
             if s.drafter is not None:  # samples the loss keeps whole; the others (trimmed here) below
-                s.drafter.observe(s.step, mb_ids, hidden, loss_mask[micro.rows, : micro.width - 1])
+                s.drafter.observe(s.step, mb_ids, hidden.to(s.model.dtype), loss_mask[micro.rows, : micro.width - 1])
             old[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
             if s.ref_model is not None:
                 ref[micro.key] = grpo.token_log_probs(s.ref_model(mb_ids)[0][:, :-1], mb_ids[:, 1:], temperature)
@@ -234,7 +236,8 @@ def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
             rl = s.cfg.rl
             for chunk in token_budget_chunks(widths, rl.micro_batch_size, rl.micro_batch_tokens):
                 rows, width = dropped[chunk], max(widths[i] for i in chunk)
-                s.drafter.observe(s.step, ids[rows, :width], s.model(ids[rows, :width])[1],
+                chunk_ids = ids[rows, :width].to(dev)
+                s.drafter.observe(s.step, chunk_ids, s.model(chunk_ids)[1].to(s.model.dtype),
                                   samples.mask[rows, : width - 1])
     return old, ref
 
@@ -242,32 +245,34 @@ def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
 def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logps: dict) -> dict:
     """ppo_epochs passes over the minibatches of `plan`, one optimizer step each (PPO-clip with
     clip-higher, optional KL and entropy terms); returns the step's update statistics."""
-    rl, w, temperature = s.cfg.rl, s.workers, s.cfg.rollout.temperature
+    rl, w, temperature, dev = s.cfg.rl, s.workers, s.cfg.rollout.temperature, s.model.device
     s.model.train()
     params_list = list(s.model.parameters())
     losses, kls, entropies, clip_fracs, grad_norms = [], [], [], [], []
     for _ in range(rl.ppo_epochs):
         for minibatch in plan:
             s.optimizer.zero_grad(set_to_none=True)
-            totals = torch.zeros(5)  # loss, kl, entropy, clipped weight, weight
+            totals = torch.zeros(5, device=dev)  # loss, kl, entropy, clipped weight, weight
             for micro in minibatch:
-                mb_ids = samples.ids[micro.rows, : micro.width]
-                logits, _ = s.model(mb_ids)
+                mb_ids = samples.ids[micro.rows, : micro.width].to(dev)
+                weights = micro.weights.to(dev)
+                with autocast(dev, s.dtype):  # log-probs (grpo.token_log_probs) are float32 whatever the dtype
+                    logits, _ = s.model(mb_ids)
                 logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
                 per_token, clipped = grpo.POLICY_LOSSES[rl.policy_loss](
-                    logp, old_logps[micro.key], samples.advantages[micro.rows],
-                    samples.loss_mask[micro.rows, : micro.width - 1], rl.clip_low, rl.clip_high)
-                loss = (per_token * micro.weights).sum()
-                kl = entropy = torch.zeros(())
+                    logp, old_logps[micro.key], samples.advantages[micro.rows].to(dev),
+                    samples.loss_mask[micro.rows, : micro.width - 1].to(dev), rl.clip_low, rl.clip_high)
+                loss = (per_token * weights).sum()
+                kl = entropy = torch.zeros((), device=dev)
                 if s.ref_model is not None:
-                    kl = (grpo.KL_ESTIMATORS[rl.kl_estimator](logp, ref_logps[micro.key]) * micro.weights).sum()
+                    kl = (grpo.KL_ESTIMATORS[rl.kl_estimator](logp, ref_logps[micro.key]) * weights).sum()
                     loss = loss + rl.kl_coef * kl
                 if rl.entropy_coef:
-                    entropy = (grpo.token_entropy(logits[:, :-1], temperature) * micro.weights).sum()
+                    entropy = (grpo.token_entropy(logits[:, :-1], temperature) * weights).sum()
                     loss = loss - rl.entropy_coef * entropy
                 loss.backward()
                 totals += torch.stack([loss.detach(), kl.detach(), entropy.detach(),
-                                       (clipped * micro.weights).sum().detach(), micro.weights.sum()])
+                                       (clipped * weights).sum().detach(), weights.sum()])
             totals = w.reduce_gradients(params_list, totals)  # every worker now holds the same sums
             if totals[4] == 0:
                 continue  # no token of this minibatch counts on any worker
@@ -381,16 +386,19 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
         check_routes(train_rows, cfg.data.train)
         check_routes(eval_rows, cfg.data.eval or cfg.data.train)
     scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s, cfg.rl.reward_weights)
+    device = train_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", workers.rank)))
+    dtype = train_dtype(cfg.run.dtype, device)
     make_opt = lambda model: make_optimizer(model, cfg.rl, cfg.run.steps)  # noqa: E731
     state = {"step": 0}
     if resume is not None:
         checkpoint = latest_checkpoint(run_dir)
-        model, optimizer, scheduler, state = load_checkpoint(checkpoint, make_opt)
+        model, optimizer, scheduler, state = load_checkpoint(checkpoint, make_opt, device=device)
         log(f"resuming {run_dir} from {checkpoint.name}")
     else:
-        model = load_model(model_dir)
+        model = load_model(model_dir, device=device)  # float32: the master weights the rollout also runs
         optimizer, scheduler = make_opt(model)
-    ref_model = load_model(model_dir).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
+    model.grad_checkpointing = cfg.rl.grad_checkpointing
+    ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                     speculator=make_speculator(cfg.spec, model))
     adaptive = None
@@ -405,7 +413,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
                                    Strategy.parse(cfg.spec.strategy).depth, score, frozen)
     order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
-                    order, workers, ref_model, adaptive, step=state["step"], skipped_prompts=skipped,
+                    order, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
                     saved_step=state["step"] if resume is not None else None)
 
 
@@ -454,6 +462,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
         log = console = _silent
     lock = None
     if w.is_main and not claimed:
+        resolve_device(cfg.run.device, "run.device")  # a device this machine lacks: an error before any file
         cfg, lock = claim_run_dir(cfg, resume)
     try:
         cfg = w.share(lambda: prepare(cfg, log))
@@ -548,7 +557,8 @@ def _silent(*_args) -> None:
 
 def run_worker(cfg: TrainConfig, resume: Path | None, console, claimed: bool = False) -> dict | None:
     """One worker of a multi-process run (spawned locally or started by torchrun)."""
-    workers = Workers.from_env(cfg.run.dist_timeout_s)
+    device = train_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
+    workers = Workers.from_env(cfg.run.dist_timeout_s, device)
     summary = train(cfg, resume, console=console, workers=workers, claimed=claimed)
     workers.close()  # not after an error: the launcher stops every worker then
     return summary
@@ -565,6 +575,7 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
     # The launcher claims the run directory (and holds its lock while the workers run) and
     # resolves the built-ins here, not in worker 0: a spawned worker gets only its share of
     # the cores, and a first run's base-model SFT and drafter warm-up would take ~1.6x as long.
+    resolve_device(cfg.run.device, "run.device")
     cfg, lock = claim_run_dir(cfg, resume)
     try:
         cfg = prepare(cfg)
