@@ -84,6 +84,9 @@ class RunConfig:
     dist_timeout_s: float = f(300.0, "a worker silent for this long in a collective stops the run")
     device: str | None = f(None, "cpu, cuda or cuda:N (each worker takes its own GPU); empty = cuda when this "
                                  "PyTorch sees a GPU, else cpu")
+    shard: str = f("none", "the policy the update trains: none (whole on every worker) or fsdp (parameters, "
+                           "gradients and AdamW state sharded over the workers with FSDP2; each worker keeps the "
+                           "whole policy for its rollout engine)")
     dtype: str = f("auto", "precision of the policy's training forwards: auto (bfloat16 on a GPU that has it, "
                            "else float32), float32, bfloat16; weights and optimizer stay float32, log-probs float32")
 
@@ -92,6 +95,8 @@ class RunConfig:
         at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers", "log_samples_every")
         positive(self, "run", "dist_timeout_s")
         at_most(self, "run", 7 * 86400, "dist_timeout_s")
+        if self.shard not in ("none", "fsdp"):
+            raise ConfigError(f"run.shard must be none or fsdp, got {self.shard!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"run.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.name is not None and (not self.name or Path(self.name).name != self.name or self.name in (".", "..")):

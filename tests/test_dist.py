@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tailtamer.config import load_train_config
+from tailtamer.errors import ConfigError
 from tailtamer.dist import WorkerError, Workers, resolve_workers, spawn
 from tailtamer.rl.batching import balanced_shares, balanced_shares_by_group
 from tailtamer.rl.trainer import TrainingError, check_same_weights, run_worker, train
@@ -250,3 +251,25 @@ def test_each_minibatch_is_balanced_across_workers():
     balanced = [abs(sum(costs[i] for i in shares[0] if groups[i] == g)
                     - sum(costs[i] for i in shares[1] if groups[i] == g)) for g in (0, 1)]
     assert max(balanced) < max(lopsided)
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_policy_trains_and_resumes_like_the_unsharded_one(toy, tmp_path):
+    """run.shard=fsdp: FSDP2 shards of the policy for the update, the whole policy for the
+    rollout; the same samples and, up to float summation order, the same update as
+    unsharded; its checkpoint (the optimizer state gathered) resumes the run."""
+    base = toy + ["rl.minibatches=2", "rl.micro_batch_size=5", "run.workers=2", "run.save_every=2", "rl.lr=1e-3"]
+    spawn(2, run_worker, (load_train_config(None, base + ["run.steps=4", "run.name=flat"]), None, quiet),
+          str(tmp_path / "runs" / "flat"))
+    sharded = base + ["run.shard=fsdp", "run.name=sharded"]
+    run = tmp_path / "runs" / "sharded"
+    spawn(2, run_worker, (load_train_config(None, sharded + ["run.steps=2"]), None, quiet), str(run))
+    spawn(2, run_worker, (load_train_config(run / "config.yaml", ["run.steps=4"]), run, quiet), str(run))
+    flat, rows = _rows(tmp_path / "runs" / "flat"), _rows(run)
+    assert len(rows) == 4
+    for step, (a, b) in enumerate(zip(flat, rows)):
+        assert a["lengths"] == b["lengths"] and a["reward_mean"] == b["reward_mean"], step
+        for key in ("loss", "grad_norm", "clip_frac"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-7), (step, key)
+    with pytest.raises(ConfigError, match="run.shard=fsdp needs at least 2 workers"):
+        train(load_train_config(None, toy + ["run.shard=fsdp", "run.workers=1", "run.name=one"]), log=quiet)

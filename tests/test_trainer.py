@@ -251,7 +251,7 @@ def test_adaptive_drafter_trains_in_the_window_and_is_checkpointed(toy, model_di
     start_sha = weights_checksum(load_drafter(drafter_dir, load_model(model_dir)))
     cfg = load_train_config(None, toy + ["run.steps=3", "run.name=spot", "run.save_every=3", "spec.mode=on",
                                          f"spec.drafter={drafter_dir}", "spec.strategy=2_1_3",
-                                         "spot.single_worker=window", "spot.window_s=0.5", "spot.max_steps=3",
+                                         "spot.single_worker=window", "spot.window_s=5", "spot.max_steps=3",
                                          "spot.tokens_per_step=64"])
     train(cfg, log=lambda _: None, console=lambda _: None)
     rows = _rows(tmp_path / "runs" / "spot")

@@ -21,10 +21,11 @@ from tailtamer.errors import CheckpointError
 from tailtamer.model.io import load_model, save_model
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict,
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, scheduler, state: dict,
                     keep: int = 2, extra=None) -> Path:
-    """`extra(tmp_dir)` writes more parts (e.g. the drafter) into the checkpoint before it is
-    renamed into place."""
+    """`optimizer_state` as an unsharded optimizer's `state_dict()` gives it (run.shard=fsdp
+    gathers it so); `extra(tmp_dir)` writes more parts (e.g. the drafter) into the checkpoint
+    before it is renamed into place."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -32,7 +33,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, sched
     try:
         save_model(model, tmp)
         tokenizer.save(tmp)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         if extra is not None:
             extra(tmp)
         atomic_write_json(tmp / "state.json", {**state, "step": step})
@@ -84,8 +85,10 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return path
 
 
-def load_checkpoint(path: Path, optimizer_factory, dtype="float32", device="cpu"):
-    """(model, optimizer, scheduler, state) from a checkpoint directory, the model on `device`."""
+def load_checkpoint(path: Path, optimizer_factory, dtype="float32", device="cpu", load_optimizer_state=None):
+    """(model, optimizer, scheduler, state) from a checkpoint directory, the model on `device`;
+    `load_optimizer_state(optimizer, state_dict)` restores the optimizer (default: its own
+    load_state_dict; a sharded optimizer scatters the whole state)."""
     model = load_model(path, dtype, device)
     optimizer, scheduler = optimizer_factory(model)
     # The run's config may have changed its optimizer settings (recorded in resumes.jsonl):
@@ -95,7 +98,7 @@ def load_checkpoint(path: Path, optimizer_factory, dtype="float32", device="cpu"
     base_lrs = list(scheduler.base_lrs)
     try:
         blob = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(blob["optimizer"])
+        (load_optimizer_state or type(optimizer).load_state_dict)(optimizer, blob["optimizer"])
         scheduler.load_state_dict(blob["scheduler"])
         scheduler.base_lrs = base_lrs
         for group, given, factor in zip(optimizer.param_groups, settings, scheduler.lr_lambdas):

@@ -44,6 +44,7 @@ from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_che
 from tailtamer.rl.data import PromptOrder, datasets
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import RewardScorer, check_routes, merge_failures
+from tailtamer.rl.sharding import SHARDINGS, Replicated
 from tailtamer.rl.run_dir import DEFAULT_NAME, claim_run_dir, keep_metrics_through, record_resume, resume_changes
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics
 from tailtamer.rollout.engine import Engine, EngineConfig
@@ -100,6 +101,7 @@ class RunState:
     train_rows: list[dict]
     eval_rows: list[dict]
     order: PromptOrder  # which training rows each step takes
+    sharding: Replicated  # how the update's copy of the policy lies over the workers (run.shard)
     workers: Workers = field(default_factory=Workers)
     ref_model: torch.nn.Module | None = None
     drafter: AdaptiveDrafter | None = None  # the adaptive drafter, when one is trained
@@ -245,19 +247,21 @@ def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
 def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logps: dict) -> dict:
     """ppo_epochs passes over the minibatches of `plan`, one optimizer step each (PPO-clip with
     clip-higher, optional KL and entropy terms); returns the step's update statistics."""
-    rl, w, temperature, dev = s.cfg.rl, s.workers, s.cfg.rollout.temperature, s.model.device
-    s.model.train()
-    params_list = list(s.model.parameters())
+    rl, temperature, dev = s.cfg.rl, s.cfg.rollout.temperature, s.model.device
+    policy = s.sharding.policy  # the engine's module, or its shards (run.shard=fsdp)
+    policy.train()
+    params_list = list(policy.parameters())
     losses, kls, entropies, clip_fracs, grad_norms = [], [], [], [], []
+    extra_calls = s.sharding.extra_calls(plan)
     for _ in range(rl.ppo_epochs):
-        for minibatch in plan:
+        for minibatch, extra in zip(plan, extra_calls):
             s.optimizer.zero_grad(set_to_none=True)
             totals = torch.zeros(5, device=dev)  # loss, kl, entropy, clipped weight, weight
             for micro in minibatch:
                 mb_ids = samples.ids[micro.rows, : micro.width].to(dev)
                 weights = micro.weights.to(dev)
                 with autocast(dev, s.dtype):  # log-probs (grpo.token_log_probs) are float32 whatever the dtype
-                    logits, _ = s.model(mb_ids)
+                    logits, _ = policy(mb_ids)
                 logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
                 per_token, clipped = grpo.POLICY_LOSSES[rl.policy_loss](
                     logp, old_logps[micro.key], samples.advantages[micro.rows].to(dev),
@@ -270,16 +274,19 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
                 if rl.entropy_coef:
                     entropy = (grpo.token_entropy(logits[:, :-1], temperature) * weights).sum()
                     loss = loss - rl.entropy_coef * entropy
-                loss.backward()
+                (loss * s.sharding.loss_scale).backward()
                 totals += torch.stack([loss.detach(), kl.detach(), entropy.detach(),
                                        (clipped * weights).sum().detach(), weights.sum()])
-            totals = w.reduce_gradients(params_list, totals)  # every worker now holds the same sums
+            for _ in range(extra):  # sharded: match the other workers' forward+backward collectives
+                (policy(torch.zeros(1, 2, dtype=torch.long, device=dev))[0].sum() * 0).backward()
+            totals = s.sharding.reduce(params_list, totals)  # every worker now holds the same sums
             if totals[4] == 0:
                 continue  # no token of this minibatch counts on any worker
             if not torch.isfinite(totals[0]):
                 s.bad_steps += 1
                 continue  # skip the update, keep the weights
-            grad_norms.append(torch.nn.utils.clip_grad_norm_(params_list, rl.grad_clip).item())
+            norm = torch.nn.utils.clip_grad_norm_(params_list, rl.grad_clip)
+            grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
             s.optimizer.step()
             s.scheduler.step()
             losses.append(totals[0].item())
@@ -288,7 +295,8 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
             clip_fracs.append(totals[3].item() / totals[4].item())
     if losses:
         s.bad_steps = 0
-    s.model.eval()
+    policy.eval()
+    s.sharding.publish(s.model)
     mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731
     return {"loss": mean(losses), "kl": mean(kls) if s.ref_model is not None else None,
             "entropy": mean(entropies) if rl.entropy_coef else None, "clip_frac": mean(clip_fracs) or 0.0,
@@ -388,16 +396,19 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s, cfg.rl.reward_weights)
     device = train_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", workers.rank)))
     dtype = train_dtype(cfg.run.dtype, device)
-    make_opt = lambda model: make_optimizer(model, cfg.rl, cfg.run.steps)  # noqa: E731
+    sharding = SHARDINGS[cfg.run.shard](workers)
+    # The optimizer steps the copy the update trains: the engine's module itself, or its shards.
+    make_opt = lambda model: make_optimizer(sharding.wrap(model), cfg.rl, cfg.run.steps)  # noqa: E731
     state = {"step": 0}
     if resume is not None:
         checkpoint = latest_checkpoint(run_dir)
-        model, optimizer, scheduler, state = load_checkpoint(checkpoint, make_opt, device=device)
+        model, optimizer, scheduler, state = load_checkpoint(checkpoint, make_opt, device=device,
+                                                             load_optimizer_state=sharding.load_optimizer_state)
         log(f"resuming {run_dir} from {checkpoint.name}")
     else:
         model = load_model(model_dir, device=device)  # float32: the master weights the rollout also runs
         optimizer, scheduler = make_opt(model)
-    model.grad_checkpointing = cfg.rl.grad_checkpointing
+    sharding.policy.grad_checkpointing = cfg.rl.grad_checkpointing
     ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                     speculator=make_speculator(cfg.spec, model))
@@ -413,7 +424,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
                                    Strategy.parse(cfg.spec.strategy).depth, score, frozen)
     order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
-                    order, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
+                    order, sharding, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
                     saved_step=state["step"] if resume is not None else None)
 
 
@@ -424,12 +435,13 @@ def _run_dir(cfg: TrainConfig, resume: Path | None) -> Path:
 def _checkpoint(s: RunState) -> None:
     """Worker 0 writes it: every worker holds the same weights (checked each step). A write
     that fails (full disk, read-only directory) stops the run; the last good one stays."""
+    optimizer_state = s.sharding.optimizer_state(s.optimizer)  # a collective when sharded
     if not s.workers.is_main:
         return
     extra = None if s.drafter is None else (lambda tmp: s.drafter.save(tmp / "drafter"))
     try:
         evaluated = s.history[-1].get("eval_accuracy") if s.history else None  # of these weights, if evaluated
-        save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, s.optimizer, s.scheduler,
+        save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, optimizer_state, s.scheduler,
                         {"weights_sha": weights_checksum(s.model), "eval_accuracy": evaluated},
                         keep=s.cfg.run.keep_checkpoints, extra=extra)
     except OSError as e:
