@@ -75,3 +75,8 @@ def autocast(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+def device_name(device: torch.device) -> str | None:
+    """The GPU's product name (for reports); None on CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None

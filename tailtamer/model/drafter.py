@@ -119,7 +119,7 @@ def check_fits(drafter_cfg: ModelConfig, target_cfg: ModelConfig, source: str) -
 def init_drafter(target: Transformer, seed: int = 0, std: float = 0.02) -> Drafter:
     drafter = Drafter(target)
     init_weights_(drafter, seed, std)
-    return drafter.to(target.dtype)
+    return drafter.to(device=target.device, dtype=target.dtype)
 
 
 def drafter_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
