@@ -67,3 +67,19 @@ def test_a_missing_gpu_is_a_startup_error_that_writes_nothing(toy, tmp_path):
     assert not (tmp_path / "runs" / "gpu").exists()
     with pytest.raises(ConfigError, match="run.dtype must be one of auto, float32, bfloat16"):
         load_train_config(None, toy + ["run.dtype=float16"])
+
+
+def test_a_run_that_cannot_fit_is_refused_before_loading_and_writes_nothing(toy, tmp_path, monkeypatch):
+    import tailtamer.rl.trainer as trainer
+
+    lines = []
+    train(load_train_config(None, toy + ["run.steps=1", "run.name=fits"]), log=lines.append, console=lambda _: None)
+    estimate = next(line for line in lines if line.startswith("memory per worker:"))
+    assert "KV cache" in estimate and "optimizer" in estimate
+    monkeypatch.setattr(trainer, "available_memory", lambda *a, **k: 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: pytest.fail("loaded a model that cannot fit"))
+    with pytest.raises(ConfigError) as e:
+        train(load_train_config(None, toy + ["run.name=huge"]), log=lambda _: None)
+    # one line naming the largest piece (here the update's activations) and what shrinks it
+    assert "\n" not in str(e.value) and "activations" in str(e.value) and "rl.grad_checkpointing=true" in str(e.value)
+    assert not (tmp_path / "runs" / "huge").exists()

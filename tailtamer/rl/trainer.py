@@ -28,7 +28,8 @@ import yaml
 
 from tailtamer.atomic import atomic_write_json, atomic_write_text
 from tailtamer.config import TrainConfig, to_dict
-from tailtamer.device import autocast, resolve_device, train_device, train_dtype
+from tailtamer.device import autocast, device_memory, resolve_device, train_device, train_dtype
+from tailtamer.memory import available_memory, check_fits, estimate_for, format_estimate
 from tailtamer.dist import Workers, resolve_workers, spawn
 from tailtamer.drafter.adaptive import AdaptiveDrafter
 from tailtamer.errors import ConfigError, TailtamerError
@@ -396,6 +397,13 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s, cfg.rl.reward_weights)
     device = train_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", workers.rank)))
     dtype = train_dtype(cfg.run.dtype, device)
+    # Before loading anything: what each worker will hold, and a refusal if it cannot fit.
+    need = estimate_for(cfg, model_cfg, workers.world, dtype.itemsize, device_type=device.type)
+    available = available_memory(device.type, lambda: device_memory(device))
+    if available is not None and device.type == "cpu":  # the machine's memory, shared by its workers
+        available //= int(os.environ.get("LOCAL_WORLD_SIZE", workers.world))
+    log(format_estimate(need, available))
+    check_fits(need, available, str(device))
     sharding = SHARDINGS[cfg.run.shard](workers)
     # The optimizer steps the copy the update trains: the engine's module itself, or its shards.
     make_opt = lambda model: make_optimizer(sharding.wrap(model), cfg.rl, cfg.run.steps)  # noqa: E731
