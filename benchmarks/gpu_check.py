@@ -311,13 +311,7 @@ def random_target(s: dict, seed: int = 0):
     cfg = ModelConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
                       num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                       num_key_value_heads=s["kv_heads"], max_position_embeddings=512)
-    model = init_model(cfg, seed=seed, std=s["std"])
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model
+    return init_model(cfg, seed=seed, std=s["std"], perturb=0.1)
 
 
 def token_match(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from tailtamer.model.config import ModelConfig
 from tailtamer.model.io import init_model, save_model
@@ -18,13 +17,7 @@ def tiny_config(**overrides) -> ModelConfig:
 def random_model(cfg: ModelConfig | None = None, seed: int = 0, std: float = 0.3):
     """A random model with large enough weights that its distributions are far from uniform,
     and random (non-zero) biases so that bias handling is exercised."""
-    model = init_model(cfg or tiny_config(), seed=seed, std=std)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model
+    return init_model(cfg or tiny_config(), seed=seed, std=std, perturb=0.1)
 
 
 @pytest.fixture

@@ -230,7 +230,16 @@ def init_weights_(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> 
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def init_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> Transformer:
+def init_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02, perturb: float = 0.0) -> Transformer:
+    """A random model; `perturb` > 0 adds normal(0, perturb) noise to the norms and biases
+    (tests and checks, so that their handling is exercised: at 1 and 0 a wrong bias or a
+    swapped norm would go unseen)."""
     model = Transformer(cfg)
     init_weights_(model, seed, std)
+    if perturb:
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias") or "norm" in name:
+                    p.add_(torch.randn(p.shape, generator=gen) * perturb)
     return model.eval()
