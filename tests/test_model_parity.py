@@ -60,6 +60,11 @@ def test_prefill_then_decode_chunks_equal_full_forward(pair):
         for lo, hi in [(11, 12), (12, 20), (20, 30)]:
             parts.append(ours.decode(ids[:, lo:hi], cache, slots, torch.full((3,), lo))[0])
     assert (torch.cat(parts, 1) - full).abs().max() < 1e-4
+    last = torch.tensor([10, 3, 0])  # the engine asks for the logits at each prompt's end only
+    with torch.no_grad():
+        at_last, hidden = ours.prefill(ids[:, :11], KVCache(cfg, slots=5, max_len=64), slots, last)
+    assert at_last.shape == (3, 1, cfg.vocab_size) and hidden.shape[1] == 11
+    assert torch.allclose(at_last[:, 0], parts[0][torch.arange(3), last], atol=1e-5)  # a smaller matmul
 
 
 def test_consecutive_slots_as_a_slice_equal_slot_ids():

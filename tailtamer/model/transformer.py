@@ -295,7 +295,7 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def _run(self, ids, positions, mask=None, cache=None, view=None):
+    def _run(self, ids, positions, mask=None, cache=None, view=None, logits_at=None):
         x = self.embed_tokens(ids)
         cos, sin = rotary(self.config, positions, x.dtype)
         recompute = self.grad_checkpointing and cache is None and torch.is_grad_enabled()
@@ -306,6 +306,8 @@ class Transformer(nn.Module):
             kv = None if cache is None else (cache.kv[i], view)
             x = layer(x, cos, sin, mask, kv)
         hidden = self.norm(x)
+        if logits_at is not None:  # (B,) one position per row: the LM head only there
+            return self.lm_head(hidden[torch.arange(len(logits_at), device=hidden.device), logits_at][:, None]), hidden
         return self.lm_head(hidden), hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -334,8 +336,12 @@ class Transformer(nn.Module):
         positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask, span)
         return self._run(input_ids, positions, mask, cache, view)
 
-    def prefill(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor | slice):
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor | slice,
+                last: torch.Tensor | None = None):
         """Prompts right-padded to a common length; pads sit after each prompt, so causal
-        attention never lets a real token see one, and decode later overwrites their rows."""
+        attention never lets a real token see one, and decode later overwrites their rows.
+        `last` (B,): logits only at each prompt's last position, (B, 1, V), as the engine
+        needs (the full (B, T, V) of a long prompt batch with a large vocabulary is gigabytes)."""
         starts = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-        return self.decode(input_ids, cache, slots, starts, span=input_ids.shape[1])
+        positions, mask, view = decode_inputs(input_ids, cache, slots, starts, None, None, input_ids.shape[1])
+        return self._run(input_ids, positions, mask, cache, view, logits_at=last)

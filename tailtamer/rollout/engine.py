@@ -273,7 +273,8 @@ class Engine:
         ids = torch.tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in firsts], device=device)
         if self.proposer is not None:
             self.proposer.admit(admitted)
-        logits, hidden = self.model.prefill(ids, cache, torch.tensor([r.slot for r in firsts], device=device))
+        logits, hidden = self.model.prefill(ids, cache, torch.tensor([r.slot for r in firsts], device=device),
+                                            torch.tensor([len(r.prompt_ids) - 1 for r in firsts], device=device))
         row = {r.prompt_index: k for k, r in enumerate(firsts)}
         rows = torch.tensor([row[r.prompt_index] for r in admitted], device=device)
         last = torch.tensor([len(r.prompt_ids) - 1 for r in admitted], device=device)
@@ -282,8 +283,8 @@ class Engine:
             if r is not leader:
                 cache.copy_slot(leader.slot, r.slot, len(r.prompt_ids))
             r.cached = len(r.prompt_ids)
-        first = self._draw(admitted, logits[rows, last][:, None], params, torch.zeros(len(admitted), 1, dtype=torch.long,
-                                                                                      device=device))[:, 0]
+        first = self._draw(admitted, logits[rows], params, torch.zeros(len(admitted), 1, dtype=torch.long,
+                                                                       device=device))[:, 0]
         if self.proposer is not None and self.proposer.needs_hidden:
             # pairs (h_j, x_(j+1)) over each prompt; the pair at the prompt's end gets the first token
             after = torch.cat([ids[:, 1:], ids[:, :1]], 1)[rows]
