@@ -65,9 +65,9 @@ Rough pieces (documented models, meant to be conservative but not absurd):
                 real micro-batch's forward and backward on CPU (tests/test_memory.py): 1.0-1.25x
                 the measured figure without checkpointing, 1.35-1.6x with it.
   rollout_activations  the largest of the rollout's transients (the rollout runs the b-byte
-                model): a prefill's logits and one layer, prefill_tokens·(b·V + a) (the engine
-                computes logits at every prompt position of the prompts it admits together: the
-                largest is often an evaluation's, ⌈data.n_eval / N⌉ prompts at once), a decode
+                model): a prefill's one layer over every prompt token and logits at each
+                prompt's last position, prefill_tokens·a + prefill_rows·b·V (the largest is
+                often an evaluation's, ⌈data.n_eval / N⌉ prompts at once), a decode
                 step's logits and float32 sampling probabilities (decode_rows·(b + 12)·V, rows =
                 requests x tokens verified), and a spot-training step of the drafter on M packed
                 tokens (~M·(2a + (2b + 24)·V) + M², see `_drafter_training_bytes`).
@@ -220,15 +220,15 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
              cache_bytes: int, micro_batch_tokens: int, reference: bool, drafter: bool, drafter_trains: bool,
              shard_world: int = 1, grad_checkpointing: bool = False, compute_bytes: int | None = None,
              seq_len: int | None = None, entropy: bool = False, attention_scores: bool | None = None,
-             prefill_tokens: int = 0, decode_rows: int | None = None, drafter_cache_len: int | None = None,
+             prefill_tokens: int = 0, prefill_rows: int = 0, decode_rows: int | None = None, drafter_cache_len: int | None = None,
              drafter_buffer_bytes: int = 0, drafter_tokens: int = 512, drafter_frozen: bool = False) -> dict[str, int]:
     """Bytes per worker of each piece and the total (module docstring: formulas and what is
     exact). `compute_bytes`: the precision of the training forwards (autocast; default the
     weights'), also the reference model's. `seq_len` is the widest sample of the update
     (default `cache_len`): a micro-batch holds max(micro_batch_tokens, seq_len) tokens.
-    `attention_scores` None: counted for float32 compute. `prefill_tokens` / `decode_rows`:
-    the largest prefill (prompts x their width) and decode step (rows x tokens verified;
-    default `slots`) of the rollout. `drafter_cache_len`: the length the EAGLE proposer
+    `attention_scores` None: counted for float32 compute. `prefill_tokens` / `prefill_rows` /
+    `decode_rows`: the largest prefill (prompts x their width, and its prompts) and decode step
+    (rows x tokens verified; default `slots`) of the rollout. `drafter_cache_len`: the length the EAGLE proposer
     reserves (default `cache_len`)."""
     if shard_world < 1:
         raise ValueError(f"shard_world must be >= 1, got {shard_world}")
@@ -259,7 +259,7 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
         "logits": logits_bytes(cfg.vocab_size, tokens, c, entropy),
     }
     layer = layer_activation_bytes(cfg, b, b, seq_len, b >= 4 if attention_scores is None else attention_scores)
-    phases = {"prefill": prefill_tokens * (b * cfg.vocab_size + layer),
+    phases = {"prefill": prefill_tokens * layer + prefill_rows * b * cfg.vocab_size,
               "decode": decode_rows * (b + 12) * cfg.vocab_size, "drafter_training": 0}
     if drafter:
         D, d = drafter_parameters(cfg), cache_len if drafter_cache_len is None else drafter_cache_len
@@ -319,7 +319,8 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
     eval_requests = _shard(cfg.data.n_eval, world) if run.eval_every > 0 else 0
     slots = max(slots, min(roll.max_batch_size, eval_requests))
     # siblings share their prompt's prefill: the first `slots` requests hold ⌈slots / group⌉ prompts
-    prefill = max(min(prompts, _shard(slots, roll.group_size)), min(eval_requests, slots)) * prompt_limit
+    prefill_rows = max(min(prompts, _shard(slots, roll.group_size)), min(eval_requests, slots))
+    prefill = prefill_rows * prompt_limit
     speculates = spec.mode != "off"
     verify = draft_rows = 0
     decode_rows = slots
@@ -338,7 +339,7 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
         reference=rl.kl_coef > 0, drafter=eagle, drafter_trains=trains,
         shard_world=world if getattr(run, "shard", "none") == "fsdp" else 1,
         grad_checkpointing=bool(getattr(rl, "grad_checkpointing", False)), seq_len=seq,
-        entropy=rl.entropy_coef > 0, prefill_tokens=prefill, decode_rows=decode_rows,
+        entropy=rl.entropy_coef > 0, prefill_tokens=prefill, prefill_rows=prefill_rows, decode_rows=decode_rows,
         drafter_cache_len=seq + max(verify, draft_rows) + 1,
         drafter_buffer_bytes=spot.buffer_mb << 20 if trains else 0, drafter_tokens=spot.tokens_per_step,
         drafter_frozen=trains and spot.compare_frozen, attention_scores=None if device_type == "cuda" else False)
@@ -399,7 +400,7 @@ def _advice(est: dict, piece: str) -> str:
     if piece == "rollout_activations":
         cause = max(("prefill", "decode", "drafter_training"), key=lambda k: est.get(k, 0))
         return {"prefill": "lower rollout.max_batch_size (requests admitted and prefilled together), "
-                           "data.max_prompt_tokens or data.n_eval (a prefill computes logits at every prompt position)",
+                           "data.max_prompt_tokens or data.n_eval (prompts prefilled together)",
                 "decode": "lower rollout.max_batch_size (or spec.bs_threshold: rows verified per step)",
                 "drafter_training": "lower spot.tokens_per_step"}[cause]
     if piece == "reference":

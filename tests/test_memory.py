@@ -145,8 +145,8 @@ def test_estimate_for_counts_evaluation_requests_and_the_context():
     est = estimate_for(cfg, model_cfg)
     engine = _generate(random_model(model_cfg), cfg, _prompts(20), n=1)  # greedy evaluation, one per prompt
     assert (est["slots"], est["cache_len"]) == (engine._cache.slots, engine._cache.max_len) == (16, 64)
-    # the engine's first prefill: 16 prompts of 12 tokens, logits at every position
-    assert est["prefill"] >= 16 * 12 * model_cfg.vocab_size * 4 and est["rollout_activations"] >= est["prefill"]
+    # the engine's first prefill: 16 prompts of 12 tokens, logits at each prompt's last position
+    assert est["prefill"] >= 16 * model_cfg.vocab_size * 4 and est["rollout_activations"] >= est["prefill"]
     train_only = estimate_for(_train_config("rollout.max_new_tokens=300"), model_cfg)
     assert train_only["prefill"] < est["prefill"]  # 3 prompts (their 4 samples share a prefill), not 16
 
