@@ -80,7 +80,7 @@ The checks, and what each figure should be:
 4. rl_steps: `python -m tailtamer train run.steps=3 run.eval_every=0 run.device=DEVICE
    run.out_dir=TMP run.workers=1` (+ rollout.prompts_per_step=4 rollout.group_size=4 on
    cpu-small), run.dtype=auto (bfloat16 training forwards on a GPU that has it). Pass: exit 0,
-   3 rows in metrics.jsonl, finite losses, every reward_mean (and reward/*) in [0, 1].
+   3 rows in metrics.jsonl, finite losses, every reward_mean (and reward_fn/*) in [0, 1].
    CPU: 20-50 s (base model cached). GPU: unknown. The built-in base model and its drafter
    are trained ON THE CPU when missing from the cache (`tailtamer sft`: 470 s on 2 cores
    here, then the drafter warm-up: 56 s): on a fresh GPU machine carry the cache
@@ -509,7 +509,7 @@ def judge_metrics(rows: list[dict], steps: int) -> tuple[bool, list[str]]:
     for row in rows:
         if not _finite_number(row.get("loss")):
             problems.append(f"step {row.get('step')}: loss {row.get('loss')!r} is not finite")
-        rewards = {k: v for k, v in row.items() if k == "reward_mean" or k.startswith("reward/")}
+        rewards = {k: v for k, v in row.items() if k == "reward_mean" or k.startswith("reward_fn/")}
         if "reward_mean" not in rewards:
             problems.append(f"step {row.get('step')}: no reward_mean")
         for k, v in rewards.items():

@@ -83,7 +83,7 @@ def cmd_train(args) -> None:
         if path is not None:
             raise TailtamerError("--resume takes its config from the run directory; give only key=value overrides")
         path = resume / "config.yaml"
-    cfg = load_train_config(path, items)
+    cfg = load_train_config(path, items, written=resume is not None)
     summary = launch(cfg, resume, console=None if sys.stderr.isatty() else print)
     if summary is not None:  # worker 0 (under torchrun every worker runs this)
         print(json.dumps(summary, indent=2))

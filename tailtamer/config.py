@@ -317,7 +317,10 @@ def apply_override(data: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
-def load_train_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+def load_train_config(path: str | Path | None = None, overrides: list[str] = (), written: bool = False) -> TrainConfig:
+    """The config of a YAML file (or the default job) with dotted overrides. `written`: the
+    file is a run directory's own config.yaml, which an older tailtamer may have written with
+    since-renamed sections; those are read under their new names (a user's file gets a hint)."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -331,6 +334,8 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = ())
             raise ConfigError(f"{path}: not valid UTF-8 (byte {e.start + 1})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        if written:
+            data = {RENAMED.get(k, k) if RENAMED.get(k) not in data else k: v for k, v in data.items()}
     for item in overrides:
         apply_override(data, item)
     try:

@@ -80,3 +80,8 @@ def autocast(device: torch.device, dtype: torch.dtype):
 def device_name(device: torch.device) -> str | None:
     """The GPU's product name (for reports); None on CPU."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def gpu_count() -> int:
+    """CUDA GPUs this process sees (0 without a CUDA build): one worker each by default."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

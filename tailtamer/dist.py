@@ -239,9 +239,10 @@ class Workers:
             pause = min(0.002, pause * 2)
 
 
-def resolve_workers(requested: int, prompts_per_step: int) -> int:
-    """`run.workers`: 0 = one per CPU core, never more than there are prompts to shard."""
-    n = requested or (os.cpu_count() or 1)
+def resolve_workers(requested: int, prompts_per_step: int, gpus: int = 0) -> int:
+    """`run.workers`: 0 = one per GPU when the run is on GPUs (`gpus` of them), else one per
+    CPU core; never more than there are prompts to shard."""
+    n = requested or gpus or (os.cpu_count() or 1)
     return max(1, min(n, prompts_per_step))
 
 

@@ -66,7 +66,7 @@ TAG_GROUPS = (
 
 def tag(key: str) -> str:
     """`group/key` for a metrics.jsonl key (`reward/accuracy`, `time/step_s`); a key that
-    already names its group (`reward/<function>`) is kept."""
+    already names its group (`reward_fn/<function>`) is kept."""
     if "/" in key:
         return key
     return next(f"{group}/{key}" for group, matches in TAG_GROUPS if matches(key))

@@ -70,8 +70,8 @@ def plot_rl_curves(history: list[dict], path: str | Path, eval_at_start: float |
     else:
         a.plot(steps, rewards, label="reward (train samples)")
         a.plot(steps, accuracy, "--", label="accuracy (train samples)")
-    for name in [k for k in history[0] if k.startswith("reward/")]:
-        a.plot(steps, [r.get(name) for r in history], ":", label=f"{name[len('reward/'):]} (unweighted)")
+    for name in [k for k in history[0] if k.startswith("reward_fn/")]:
+        a.plot(steps, [r.get(name) for r in history], ":", label=f"{name[len('reward_fn/'):]} (unweighted)")
     held_out = [(r["step"], r["eval_accuracy"]) for r in history if "eval_accuracy" in r]
     if eval_at_start is not None:
         held_out.insert(0, (0, eval_at_start))

@@ -107,12 +107,15 @@ GSM8K_ROW = {"question": "Tom has 3 apples and buys 4. How many?",
              "answer": "He has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}
 
 
+GSM8K = {"data_source": "openai/gsm8k"}  # a raw GSM8K row is one, for rl.reward=auto
+
+
 def test_raw_gsm8k_rows_column_mapping_and_content_parts(tmp_path):
     tok = char_tokenizer()
     rows, _ = load_task_rows(write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K_ROW, {**GSM8K_ROW, "answer": "x\n#### 1,250"}]),
                              tok, 256)
-    assert rows == [{"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "7", "_row": 1},
-                    {"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "1250", "_row": 2}]
+    assert rows == [{"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "7", "_row": 1, "context": GSM8K},
+                    {"prompt_ids": tok.encode(GSM8K_ROW["question"]), "answer": "1250", "_row": 2, "context": GSM8K}]
     mapped = write_jsonl(tmp_path / "mapped.jsonl", [{"problem": "1+1=", "solution": 2, "prompt": "not this"}])
     rows, _ = load_task_rows(mapped, tok, 256, prompt_key="problem", answer_key="solution")
     assert rows == [{"prompt_ids": tok.encode("1+1="), "answer": "2", "_row": 1}]

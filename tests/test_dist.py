@@ -200,6 +200,7 @@ def test_balanced_shares_deal_out_long_tailed_costs():
 def test_worker_count_defaults_to_the_cores_and_never_exceeds_the_prompts():
     assert resolve_workers(3, 16) == 3 and resolve_workers(8, 4) == 4
     assert resolve_workers(0, 1024) == (os.cpu_count() or 1)
+    assert resolve_workers(0, 1024, gpus=3) == 3 and resolve_workers(5, 1024, gpus=3) == 5  # one per GPU
 
 
 def test_spawned_workers_get_the_built_in_base_model_resolved_by_the_launcher(tmp_path, monkeypatch):

@@ -128,10 +128,10 @@ def test_a_failing_or_crashing_check_makes_the_exit_code_1(tmp_path, monkeypatch
 
 def test_rl_metrics_are_judged():
     judge = _module().judge_metrics
-    row = {"step": 1, "loss": -0.1, "reward_mean": 0.25, "reward/acc": 1.0}
+    row = {"step": 1, "loss": -0.1, "reward_mean": 0.25, "reward_fn/acc": 1.0}
     assert judge([row] * 3, 3) == (True, [])
     assert not judge([row] * 2, 3)[0]
     assert not judge([row, row, {**row, "loss": float("nan")}], 3)[0]
     assert not judge([row, row, {**row, "loss": None}], 3)[0]
     assert not judge([row, row, {**row, "reward_mean": 1.5}], 3)[0]
-    assert not judge([row, row, {**row, "reward/acc": -0.5}], 3)[0]
+    assert not judge([row, row, {**row, "reward_fn/acc": -0.5}], 3)[0]

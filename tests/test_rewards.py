@@ -203,8 +203,9 @@ def test_several_weighted_rewards_sum_and_fail_on_their_own(user_file):
 def test_auto_routes_each_row_by_its_data_source(tmp_path):
     from tailtamer.rl.rewards import auto_reward, check_routes, math_reward, route
 
-    assert [route(s) for s in (None, "openai/gsm8k", "lighteval/MATH", "math_dapo", "tailtamer/arithmetic",
-                               "my/chess", 3)] == ["builtin", "math", "math", "math", "builtin", None, None]
+    assert [route(s) for s in (None, "openai/gsm8k", "lighteval/MATH", "math_dapo", "AIME2024", "tailtamer/arithmetic",
+                               "my/chess", "aftermath_news", "camcorder_reviews", 3)] == \
+        ["builtin", "math", "math", "math", "math", "builtin", None, None, None, None]
     assert auto_reward("openai/gsm8k", r"so \boxed{0.5}", "1/2") == math_reward(r"so \boxed{0.5}", "1/2") == 1.0
     assert auto_reward(None, "answer: 1/2", "1/2") == resolve_reward("builtin")("answer: 1/2", "1/2")
     rows = [{"context": {"data_source": "openai/gsm8k"}, "_row": 1}, {"_row": 2},
@@ -234,7 +235,8 @@ def test_the_default_reward_routes_a_gsm8k_file_to_math_and_logs_each_function(m
     train(load_train_config(None, base + ["run.name=two", f"rl.reward=[auto, {tmp_path / 'r.py'}:long]",
                                           "rl.reward_weights=[1, 0.5]"]), log=lambda _: None, console=lambda _: None)
     row = json.loads((tmp_path / "two" / "metrics.jsonl").read_text())
-    assert row["reward_mean"] == pytest.approx(row["reward/auto"] + 0.5 * row["reward/long"])
+    assert row["reward_mean"] == pytest.approx(row["reward_fn/auto"] + 0.5 * row["reward_fn/long"])
+    assert row["accuracy"] == row["reward_fn/auto"]  # the first function, unweighted
     for x in (json.loads(line) for line in (tmp_path / "two" / "samples.jsonl").read_text().splitlines()):
         assert x["reward"] == pytest.approx(math_reward(x["response"], "1") + 0.5 * (len(x["response"]) > 1))
     chess = tmp_path / "chess.jsonl"

@@ -201,3 +201,23 @@ def test_more_workers_than_prompts_is_a_startup_error(toy):
     cfg = load_train_config(None, toy + ["run.name=many"])
     with pytest.raises(ConfigError, match=r"run.workers: 5 workers but only 4 prompts per step"):
         setup(cfg, log=quiet, workers=Workers(rank=0, world=5))
+
+
+def test_files_of_runs_written_before_the_renames_still_resume(tmp_path):
+    """An older tailtamer wrote steps from 0 and a `drafter:` section: a resume reads both (the
+    rows renumbered, those after the checkpoint dropped); a user's own file gets the hint."""
+    import json
+
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.run_dir import keep_metrics_through
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in range(3)))
+    kept = keep_metrics_through(metrics, 2, log=quiet)  # the checkpoint of step 2 (after rows 0 and 1)
+    assert [(r["step"], r["reward_mean"]) for r in kept] == [(1, 0.0), (2, 0.1)]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2]
+    old = tmp_path / "config.yaml"
+    old.write_text("drafter:\n  train: false\n  lr: 0.001\n")
+    assert load_train_config(old, written=True).spot.lr == 0.001
+    with pytest.raises(ConfigError, match="drafter is now spot"):
+        load_train_config(old)

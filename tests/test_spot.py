@@ -262,3 +262,10 @@ def test_spot_config_rejects_bad_values():
         SpotConfig(single_worker="sometimes")
     with pytest.raises(ConfigError, match="spot.tokens_per_step must be >= 1"):
         SpotConfig(tokens_per_step=0)
+
+
+def test_packing_keeps_every_tensor_on_the_buffers_device():
+    """On a GPU the buffer holds CUDA tensors: positions, masks and the attention mask must
+    follow them (the meta device stands in for one here)."""
+    entries = [Entry(0, torch.arange(n, device="meta"), torch.zeros(n, 4, device="meta"), 2) for n in (5, 3)]
+    assert {t.device.type for t in pack([pairs(e) for e in entries])} == {"meta"}

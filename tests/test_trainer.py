@@ -327,8 +327,8 @@ def test_micro_batch_cuts_minimise_padding_plus_call_cost():
 def test_logger_tags_group_the_metrics():
     from tailtamer.metrics import tag
 
-    assert [tag(k) for k in ("reward_mean", "eval_accuracy", "reward/long", "response_len_p50", "accept_len_mean",
+    assert [tag(k) for k in ("reward_mean", "eval_accuracy", "reward_fn/long", "response_len_p50", "accept_len_mean",
                              "accept_len_est_frozen", "drafter_loss", "drafter_train_s", "rollout_s", "loss", "lr")] == [
-        "reward/reward_mean", "reward/eval_accuracy", "reward/long", "rollout/response_len_p50",
+        "reward/reward_mean", "reward/eval_accuracy", "reward_fn/long", "rollout/response_len_p50",
         "rollout/accept_len_mean", "drafter/accept_len_est_frozen", "drafter/drafter_loss",
         "drafter/drafter_train_s", "time/rollout_s", "train/loss", "train/lr"]

@@ -42,7 +42,7 @@ def pairs(entry: Entry):
         target feature h_{t+1} = hidden[1:]    counted where x_{t+1} is a response token
 
     Returns (tokens_in, hidden_in, hidden_target, mask), each of length L − 1."""
-    mask = torch.zeros(len(entry.tokens) - 1, dtype=torch.bool)
+    mask = torch.zeros(len(entry.tokens) - 1, dtype=torch.bool, device=entry.tokens.device)
     mask[entry.response_start - 1:] = True
     return entry.tokens[1:], entry.hidden[:-1], entry.hidden[1:], mask
 

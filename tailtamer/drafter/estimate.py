@@ -80,7 +80,7 @@ def estimate_accept_length(drafter, entries: list, depth: int, params: SamplingP
         for entry, part in zip(group, alpha.split([len(x[0]) for x in samples])):
             # pair j holds the pending token x_{j+1}; the response's tokens start at pair start − 1,
             # and the last pair predicts past the response's end
-            response = part[entry.response_start - 1: -1].double().numpy()
+            response = part[entry.response_start - 1: -1].double().cpu().numpy()
             tokens += entry.response_len - 1
             steps += expected_steps(response, depth)
     return (tokens / steps if steps else 1.0), steps

@@ -88,10 +88,11 @@ def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
     Returns tokens (1, N), hidden_in (1, N, H), hidden_target (1, N, H), mask (1, N),
     positions (1, N), attn_mask (1, N, N)."""
-    lengths = [len(x[0]) for x in samples]
-    segment = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lengths))
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    index = torch.arange(len(segment))
+    lengths, dev = [len(x[0]) for x in samples], samples[0][0].device  # the buffer's device (a GPU's)
+    segment = torch.repeat_interleave(torch.arange(len(samples), device=dev), torch.tensor(lengths, device=dev),
+                                      output_size=sum(lengths))  # known: no device sync to find it
+    positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+    index = torch.arange(len(segment), device=dev)
     attn = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])
     cat = [torch.cat([x[i] for x in samples])[None] for i in range(4)]
     return (*cat, positions[None], attn[None])

@@ -183,6 +183,11 @@ def _answer_text(value, where: str, field: str) -> str:
     return str(value)
 
 
+def _is_gsm8k(row: dict) -> bool:
+    """A raw GSM8K row: a `question` and a worked `answer` ending in `#### N`."""
+    return isinstance(row.get("question"), str) and isinstance(row.get("answer"), str) and "####" in row["answer"]
+
+
 # Row fields a reward function receives besides the response and the answer (verl's names).
 CONTEXT_FIELDS = ("data_source", "extra_info")
 
@@ -200,6 +205,8 @@ def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: in
             skipped += 1
             continue
         context = {k: row[k] for k in CONTEXT_FIELDS if k in row}
+        if "data_source" not in context and _is_gsm8k(row):
+            context["data_source"] = "openai/gsm8k"  # so rl.reward=auto scores it with math-verify
         rows.append({"prompt_ids": ids, "answer": answer, "_row": row["_row"], **({"context": context} if context else {})})
     if not rows:
         raise DataError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens (data.max_prompt_tokens "

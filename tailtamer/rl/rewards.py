@@ -75,7 +75,6 @@ def load_user_reward(spec: str) -> Callable[[str, str], float]:
 # `rl.reward=auto`: the built-in scorer for a row's `data_source` (verl's names), first match
 # wins; a row without one is scored as the built-in task.
 DATA_SOURCES = (
-    ("tailtamer/arithmetic", "builtin"),
     ("gsm8k", "math"), ("math", "math"), ("aime", "math"), ("amc", "math"), ("numina", "math"),
     ("deepscaler", "math"), ("olympiad", "math"),
 )
@@ -83,13 +82,17 @@ DATA_SOURCES = (
 
 def route(data_source) -> str | None:
     """The built-in scorer (`builtin` or `math`) for a row's `data_source`: `builtin` when
-    the row has none, else the first DATA_SOURCES entry whose name the source contains
-    (case-insensitive: `openai/gsm8k`, `lighteval/MATH`, `math_dapo`), None when none does."""
+    the row has none, else the first DATA_SOURCES entry that begins one of the source's words
+    (split at anything not a letter or digit, case-insensitive: `openai/gsm8k`,
+    `lighteval/MATH`, `math_dapo`, `AIME2024`, but not `aftermath_news`), None when none does."""
     if data_source is None:
         return "builtin"
     if not isinstance(data_source, str):
         return None
-    return next((scorer for name, scorer in DATA_SOURCES if name in data_source.lower()), None)
+    if data_source.lower() == "tailtamer/arithmetic":
+        return "builtin"
+    words = re.split(r"[^a-z0-9]+", data_source.lower())
+    return next((scorer for name, scorer in DATA_SOURCES if any(w.startswith(name) for w in words)), None)
 
 
 def auto_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
@@ -110,7 +113,8 @@ def check_routes(rows: list[dict], where: str) -> set[str]:
         scorer = route(source)
         if scorer is None:
             raise ConfigError(f"{where}:{row.get('_row', '?')}: data_source {source!r} has no built-in scorer "
-                              f"(rl.reward=auto knows sources containing {', '.join(n for n, _ in DATA_SOURCES)}); "
+                              f"(rl.reward=auto knows tailtamer/arithmetic and sources with a word beginning with "
+                              f"{', '.join(n for n, _ in DATA_SOURCES)}); "
                               f"give rl.reward=math or module:function")
         used.add(scorer)
     if "math" in used:

@@ -155,8 +155,11 @@ def keep_metrics_through(path: Path, step: int, log) -> list[dict]:
         except json.JSONDecodeError:
             torn += 1
             continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
             rows.append(row)
+    if rows and rows[0]["step"] == 0:  # written before steps counted from 1: renumber
+        rows = [{**r, "step": r["step"] + 1} for r in rows]
+    rows = [r for r in rows if r["step"] <= step]
     if torn:
         log(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing leaves one)")
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))

@@ -77,7 +77,7 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
         "samples": sorted(every("samples"), key=lambda x: x["prompt_index"]),
     }
     for name in parts[0]["by_function"]:  # each of several reward functions, unweighted
-        row[f"reward/{name}"] = statistics.mean(x for p in parts for x in p["by_function"][name])
+        row[f"reward_fn/{name}"] = statistics.mean(x for p in parts for x in p["by_function"][name])
     if drafter:
         reports = [p["drafter"] for p in parts if p["drafter"] is not None]
         losses = [d["loss"] for d in reports if d["loss"] is not None]

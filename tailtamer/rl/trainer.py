@@ -28,7 +28,7 @@ import yaml
 
 from tailtamer.atomic import atomic_write_json, atomic_write_text
 from tailtamer.config import TrainConfig, to_dict
-from tailtamer.device import autocast, device_memory, resolve_device, train_device, train_dtype
+from tailtamer.device import autocast, device_memory, gpu_count, resolve_device, train_device, train_dtype
 from tailtamer.memory import available_memory, check_fits, estimate_for, format_estimate
 from tailtamer.dist import Workers, resolve_workers, spawn
 from tailtamer.drafter.adaptive import AdaptiveDrafter
@@ -82,9 +82,10 @@ def score_rewards(s: RunState, items: list[tuple[str, str, dict]]) -> tuple[torc
     total = sum(g[1] for g in gathered)
     for j, name in enumerate(names):
         if sum(g[0][j] for g in gathered) == total:
-            kinds = merge_failures([g[2] for g in gathered])
+            kinds = merge_failures([g[2] for g in gathered]).values()
+            mine = [e["first"] for e in kinds if len(names) == 1 or e["first"].startswith(f"{name}: ")]
             raise StepAborted(f"every reward of step {s.step + 1} failed ({total} of {total} samples; rl.reward "
-                              f"{name}): " + "; ".join(e["first"] for e in kinds.values()))
+                              f"{name}): " + "; ".join(mine or [e["first"] for e in kinds]))
     by_name = {name: [parts[j][0] for parts in scored] for j, name in enumerate(names)}
     return torch.tensor([s.scorer.total(parts)[0] for parts in scored]), by_name
 
@@ -145,8 +146,9 @@ def rl_step(s: RunState) -> dict:
 
     # 3. Rewards (a failing reward scores 0 and is counted; when every one fails the run
     #    stops here, before the update), with the optional overlong penalty.
-    correct, by_function = score_rewards(s, reward_items(batch, completions))
-    rewards = correct.view(len(batch), roll.group_size).clone()
+    total, by_function = score_rewards(s, reward_items(batch, completions))
+    correct = torch.tensor(next(iter(by_function.values())))  # accuracy: the first function, unweighted
+    rewards = total.view(len(batch), roll.group_size).clone()
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float)
     if rl.overlong == "penalty":
         rewards += grpo.overlong_penalty(lengths, roll.max_new_tokens, rl.overlong_buffer).view_as(rewards)
@@ -337,7 +339,8 @@ def check_same_weights(checksums: list[tuple], step: int) -> None:
 
 
 def evaluate_greedy(s: RunState) -> float | None:
-    """Held-out greedy accuracy (None without held-out prompts); each worker evaluates a shard."""
+    """Held-out greedy accuracy (None without held-out prompts): the mean of the first reward
+    function over greedy responses; each worker evaluates a shard."""
     rows = s.eval_rows
     if not rows:
         return None
@@ -346,8 +349,8 @@ def evaluate_greedy(s: RunState) -> float | None:
     if hi > lo:
         params = SamplingParams(temperature=0, max_new_tokens=s.cfg.rollout.max_new_tokens)
         completions, _ = s.engine.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
-        scored = s.scorer.score_batch(reward_items(rows[lo:hi], completions))
-        correct = sum(value for value, _ in scored)
+        scored = s.scorer.score_calls(reward_items(rows[lo:hi], completions))
+        correct = sum(parts[0][0] for parts in scored)  # the first reward function, unweighted
     s.workers.wait_for_all("eval")  # shards take unequal time: no collective timeout while waiting
     return s.workers.sum(torch.tensor(float(correct))).item() / len(rows)
 
@@ -391,10 +394,6 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
                           f"(rollout.prompts_per_step={cfg.rollout.prompts_per_step}, {len(train_rows)} training "
                           f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: start at most "
                           f"{prompts} workers or raise rollout.prompts_per_step")
-    if "auto" in cfg.rl.reward:
-        check_routes(train_rows, cfg.data.train)
-        check_routes(eval_rows, cfg.data.eval or cfg.data.train)
-    scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s, cfg.rl.reward_weights)
     device = train_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", workers.rank)))
     dtype = train_dtype(cfg.run.dtype, device)
     # Before loading anything: what each worker will hold, and a refusal if it cannot fit.
@@ -405,6 +404,10 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     log(format_estimate(need, available))
     check_fits(need, available, str(device))
     sharding = SHARDINGS[cfg.run.shard](workers)
+    if "auto" in cfg.rl.reward:
+        check_routes(train_rows, cfg.data.train)
+        check_routes(eval_rows, cfg.data.eval or cfg.data.train)
+    scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s, cfg.rl.reward_weights)
     # The optimizer steps the copy the update trains: the engine's module itself, or its shards.
     make_opt = lambda model: make_optimizer(sharding.wrap(model), cfg.rl, cfg.run.steps)  # noqa: E731
     state = {"step": 0}
@@ -589,13 +592,13 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
     worker processes (one per core by default), or, with one worker, this process alone."""
     if "WORLD_SIZE" in os.environ:
         return run_worker(cfg, resume, console)
-    world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step)
+    device = resolve_device(cfg.run.device, "run.device")
+    world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step, gpu_count() if device.type == "cuda" else 0)
     if world == 1:
         return train(cfg, resume, console=console)
     # The launcher claims the run directory (and holds its lock while the workers run) and
     # resolves the built-ins here, not in worker 0: a spawned worker gets only its share of
     # the cores, and a first run's base-model SFT and drafter warm-up would take ~1.6x as long.
-    resolve_device(cfg.run.device, "run.device")
     cfg, lock = claim_run_dir(cfg, resume)
     try:
         cfg = prepare(cfg)
