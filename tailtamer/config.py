@@ -16,13 +16,13 @@ from typing import Any
 import yaml
 
 from tailtamer.config_fields import at_least, at_most, f, positive
+from tailtamer.device import TRAIN_DTYPES
 from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError
 from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tailtamer.rl.optim import LR_SCHEDULES
+from tailtamer.rl.sharding import SHARDINGS
 from tailtamer.rollout.speculator import SpecConfig
-
-DTYPES = ("auto", "float32", "bfloat16")  # run.dtype (tailtamer/device.py:train_dtype)
 
 
 class _YAML12Loader(yaml.SafeLoader):
@@ -95,10 +95,10 @@ class RunConfig:
         at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers", "log_samples_every")
         positive(self, "run", "dist_timeout_s")
         at_most(self, "run", 7 * 86400, "dist_timeout_s")
-        if self.shard not in ("none", "fsdp"):
-            raise ConfigError(f"run.shard must be none or fsdp, got {self.shard!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"run.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.shard not in SHARDINGS:
+            raise ConfigError(f"run.shard must be one of {', '.join(SHARDINGS)}, got {self.shard!r}")
+        if self.dtype not in TRAIN_DTYPES:
+            raise ConfigError(f"run.dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}")
         if self.name is not None and (not self.name or Path(self.name).name != self.name or self.name in (".", "..")):
             raise ConfigError(f"run.name must be a plain directory name inside run.out_dir, got {self.name!r}")
 

@@ -48,13 +48,17 @@ def collective_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# run.dtype's choices; auto resolves per device (train_dtype)
+TRAIN_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def train_dtype(name: str, device: torch.device) -> torch.dtype:
     """The precision of the training forwards for `run.dtype`: auto is bfloat16 where the
     device computes it natively (a CUDA GPU that supports it), float32 elsewhere (this CPU
     has no fast bfloat16 matmul: it would only be slower)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    dtype = TRAIN_DTYPES[name]
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"run.dtype: {device} does not support bfloat16; use run.dtype=float32")
     return dtype

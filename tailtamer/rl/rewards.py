@@ -332,9 +332,7 @@ class RewardScorer:
         return 0.0, False
 
     def counts(self) -> dict:
-        timeouts = self.failures.get("timeout", {}).get("count", 0)
-        return {"reward_errors": sum(v["count"] for v in self.failures.values()) - timeouts,
-                "reward_timeouts": timeouts}
+        return failure_counts(self.failures)
 
 
 class _Duplex:
@@ -355,6 +353,12 @@ class _Duplex:
     def close(self) -> None:
         self.reader.close()
         self.writer.close()
+
+
+def failure_counts(failures: dict) -> dict:
+    """{reward_errors, reward_timeouts} from a tally by kind (timeouts counted apart)."""
+    timeouts = failures.get("timeout", {}).get("count", 0)
+    return {"reward_errors": sum(e["count"] for e in failures.values()) - timeouts, "reward_timeouts": timeouts}
 
 
 def merge_failures(parts: list[dict]) -> dict:

@@ -7,7 +7,7 @@ import statistics
 import time
 from collections import Counter
 
-from tailtamer.rl.rewards import merge_failures
+from tailtamer.rl.rewards import failure_counts, merge_failures
 from tailtamer.rollout.stats import mean_accept_len
 
 
@@ -35,12 +35,6 @@ def weighted(pairs: list[tuple[float, float]]) -> float | None:
     return sum(v * w for v, w in pairs) / total if total else None
 
 
-def failure_counts(failures: dict) -> dict:
-    timeouts = failures.get("timeout", {}).get("count", 0)
-    return {"reward_errors": sum(e["count"] for e in failures.values()) - timeouts, "reward_timeouts": timeouts,
-            "reward_failures": failures}
-
-
 def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter: bool) -> dict:
     """The row of step `step` from every worker's share (`parts`, as `rl_step` gathers them),
     the update's statistics (the same on every worker) and the weights' checksums."""
@@ -48,6 +42,7 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
     lengths = every("lengths")
     start = min(p["timeline"][0][1] for p in parts)
     rollout_end = max(p["rollout_end"] for p in parts)
+    failures = merge_failures([p["reward_failures"] for p in parts])
     row = {
         "step": step,
         "reward_mean": statistics.mean(every("rewards")),
@@ -69,7 +64,8 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
         "workers": len(parts),
         **update,
         "kept_groups_frac": sum(p["kept"] for p in parts) / len(lengths),
-        **failure_counts(merge_failures([p["reward_failures"] for p in parts])),
+        **failure_counts(failures),
+        "reward_failures": failures,
         "weights_sha": checksums[0],
         "lengths": [int(x) for x in lengths],
         "timeline": [[r, name, round(a - start, 4), round(b - start, 4)]

@@ -380,7 +380,7 @@ def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
 
 def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Workers | None = None) -> RunState:
     """Load everything a worker needs for `cfg` (already `prepare`d)."""
-    workers = workers or Workers()
+    workers = workers or Workers(device=train_device(cfg.run.device, 0))
     check_loggers(cfg.run.loggers)
     run_dir = _run_dir(cfg, resume)
     model_dir = Path(cfg.run.model)
@@ -394,7 +394,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
                           f"(rollout.prompts_per_step={cfg.rollout.prompts_per_step}, {len(train_rows)} training "
                           f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: start at most "
                           f"{prompts} workers or raise rollout.prompts_per_step")
-    device = train_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", workers.rank)))
+    device = workers.device  # resolved once, by whoever made the worker (run_worker, train)
     dtype = train_dtype(cfg.run.dtype, device)
     # Before loading anything: what each worker will hold, and a refusal if it cannot fit.
     need = estimate_for(cfg, model_cfg, workers.world, dtype.itemsize, device_type=device.type)
@@ -480,12 +480,12 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
     """Run (or resume) `cfg` as this worker (one worker by default); `console=None` shows a
     progress bar with the step lines above it. Worker 0 claims the run directory (unless the
     launcher did: `claimed`), writes every file and returns the summary; the others return None."""
-    w = workers or Workers()
+    # A device this machine lacks is an error here, before any file is written.
+    w = workers or Workers(device=train_device(cfg.run.device, 0))
     if not w.is_main:
         log = console = _silent
     lock = None
     if w.is_main and not claimed:
-        resolve_device(cfg.run.device, "run.device")  # a device this machine lacks: an error before any file
         cfg, lock = claim_run_dir(cfg, resume)
     try:
         cfg = w.share(lambda: prepare(cfg, log))
