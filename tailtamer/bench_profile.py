@@ -105,8 +105,9 @@ def profile_rl(steps: int = 6, overrides: tuple[str, ...] = (), out_dir: str = "
 def profile_update(model_dir, repeats: int = 3) -> dict:
     """The policy update's throughput against the CPU's: one default step's samples (16 prompts
     x 8 at T=1 from the base model, one worker), timed four ways, in real (prompt + response)
-    tokens per second: the update as `rl_step` runs it (micro-batch forwards, loss, backward,
-    AdamW; `update_policy`), the same micro-batches' forward+backward alone, one forward+
+    tokens per second: the old log-probs and the update as `rl_step` runs them (`old_log_probs`:
+    no-grad forwards for every minibatch but the on-policy first; `update_policy`: micro-batch
+    forwards, loss, backward, AdamW), the same micro-batches' forward+backward alone, one forward+
     backward of every sample padded to the longest in a single batch, and one forward+backward
     of as many tokens in dense rows (what this CPU does for that many tokens, no padding)."""
     from types import SimpleNamespace
@@ -116,7 +117,8 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
     from tailtamer.rl import grpo
     from tailtamer.rl.batching import Samples, needed_width, response_batch, update_plan
     from tailtamer.rl.optim import make_optimizer
-    from tailtamer.rl.trainer import update_policy
+    from tailtamer.rl.sharding import Replicated
+    from tailtamer.rl.trainer import old_log_probs, update_policy
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
     cfg = TrainConfig()
@@ -134,12 +136,12 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
     plan = update_plan(samples, n, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens, roll.max_new_tokens,
                        grpo.AGGREGATIONS[rl.loss_agg], torch.Generator().manual_seed(0))
     tokens = int(needed_width(mask).sum())
-    with torch.no_grad():
-        old = {m.key: grpo.token_log_probs(model(ids[m.rows, : m.width])[0][:, :-1], ids[m.rows, 1: m.width], 1.0)
-               for minibatch in plan for m in minibatch}
-    optimizer, scheduler = make_optimizer(model, rl, cfg.run.steps)
-    state = SimpleNamespace(cfg=cfg, workers=Workers(), model=model, optimizer=optimizer, scheduler=scheduler,
-                            ref_model=None, bad_steps=0)
+    workers = Workers()
+    sharding = Replicated(workers)
+    optimizer, scheduler = make_optimizer(sharding.wrap(model), rl, cfg.run.steps)
+    state = SimpleNamespace(cfg=cfg, workers=workers, model=model, optimizer=optimizer, scheduler=scheduler,
+                            sharding=sharding, ref_model=None, drafter=None, bad_steps=0, step=0,
+                            dtype=torch.float32)
 
     def fwd_bwd(batches):
         for batch_ids in batches:
@@ -149,7 +151,8 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
 
     micro = [ids[m.rows, : m.width] for minibatch in plan for m in minibatch]
     dense = torch.randint(0, model.config.vocab_size, (tokens // 64, 64))
-    arms = {"update (update_policy)": lambda: update_policy(state, samples, plan, old, {}),
+    arms = {"old log-probs + update (as rl_step runs them)":
+            lambda: update_policy(state, samples, plan, old_log_probs(state, samples, plan)[0], {}),
             "its micro-batches, forward+backward only": lambda: fwd_bwd(micro),
             "one padded batch, forward+backward": lambda: fwd_bwd([ids]),
             "as many tokens in dense 64-token rows, forward+backward": lambda: fwd_bwd([dense])}

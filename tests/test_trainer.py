@@ -142,6 +142,42 @@ def test_micro_batching_does_not_change_the_update(toy, tmp_path):
             assert torch.allclose(g, grads[0], rtol=1e-4, atol=1e-7), agg
 
 
+def test_the_on_policy_minibatch_takes_its_old_log_probs_from_the_update(toy, monkeypatch):
+    """The first minibatch's π_old is the update forward's own π (no optimizer step has run
+    yet), so `old_log_probs` skips it; every loss call of the update, over two PPO epochs,
+    still sees the π_old a separate no-grad forward before the update gives."""
+    import torch
+
+    from tailtamer.rl import grpo, trainer
+    from tailtamer.rl.trainer import rl_step, setup
+
+    expected, seen = [], []
+    skipping, loss = trainer.old_log_probs, grpo.POLICY_LOSSES["ppo-clip"]
+
+    def checked(s, samples, plan):
+        old, ref = skipping(s, samples, plan)
+        assert set(old) == {m.key for mb in plan[1:] for m in mb}  # no forward for the first minibatch
+        with torch.no_grad():
+            for _ in range(s.cfg.rl.ppo_epochs):
+                for m in (m for mb in plan for m in mb):
+                    ids = samples.ids[m.rows, : m.width]
+                    expected.append(grpo.token_log_probs(s.model(ids)[0][:, :-1], ids[:, 1:], 1.0))
+        return old, ref
+
+    def spy(logp, old, *args):
+        seen.append(old.clone())
+        return loss(logp, old, *args)
+
+    monkeypatch.setattr(trainer, "old_log_probs", checked)
+    monkeypatch.setitem(grpo.POLICY_LOSSES, "ppo-clip", spy)
+    cfg = load_train_config(None, toy + ["rl.minibatches=2", "rl.ppo_epochs=2", "rl.lr=1e-2",
+                                         "rollout.max_new_tokens=6"])
+    rl_step(setup(cfg, log=lambda _: None))
+    assert len(seen) == len(expected) >= 4
+    for a, b in zip(seen, expected):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_micro_batches_respect_the_token_budget():
     import torch
 

@@ -165,7 +165,8 @@ def rl_step(s: RunState) -> dict:
     clock.mark("rewards")
 
     # 5. Old log-probs (and the reference's): one forward, whose hidden states feed the
-    #    drafter. Workers first re-deal the samples so each holds about as many tokens.
+    #    drafter, for every minibatch but the on-policy first (its update forward gives them).
+    #    Workers first re-deal the samples so each holds about as many tokens.
     ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
     first = lo * roll.group_size
     n_total = len(prompts) * roll.group_size
@@ -221,18 +222,23 @@ def rl_step(s: RunState) -> dict:
 
 
 def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
-    """log π_old (and log π_ref) of every micro-batch's tokens, without gradients; the hidden
-    states go to the adaptive drafter, for every response (the policy loss may drop some)."""
+    """log π_old of the micro-batches of every minibatch but the first (and log π_ref of all),
+    without gradients; the hidden states go to the adaptive drafter, for every response (the
+    policy loss may drop some). The first minibatch is on-policy: the update's own forward
+    gives its log π_old (`update_policy`), so it costs no forward here (as TRL and verl skip
+    the recomputation when the update is on-policy)."""
     temperature, dev = s.cfg.rollout.temperature, s.model.device
     ids, loss_mask = samples.ids, samples.loss_mask
     old, ref = {}, {}
     with torch.no_grad(), autocast(dev, s.dtype):
-        for micro in (m for minibatch in plan for m in minibatch):
+        for i, micro in ((i, m) for i, minibatch in enumerate(plan) for m in minibatch):
             mb_ids = ids[micro.rows, : micro.width].to(dev)
-            logits, hidden = s.model(mb_ids)
-            if s.drafter is not None:  # samples the loss keeps whole; the others (trimmed here) below
-                s.drafter.observe(s.step, mb_ids, hidden.to(s.model.dtype), loss_mask[micro.rows, : micro.width - 1])
-            old[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
+            if i > 0:
+                logits, hidden = s.model(mb_ids)
+                if s.drafter is not None:  # samples the loss keeps whole; the others (trimmed here) below
+                    s.drafter.observe(s.step, mb_ids, hidden.to(s.model.dtype),
+                                      loss_mask[micro.rows, : micro.width - 1])
+                old[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
             if s.ref_model is not None:
                 ref[micro.key] = grpo.token_log_probs(s.ref_model(mb_ids)[0][:, :-1], mb_ids[:, 1:], temperature)
         if s.drafter is not None:
@@ -249,7 +255,10 @@ def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
 
 def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logps: dict) -> dict:
     """ppo_epochs passes over the minibatches of `plan`, one optimizer step each (PPO-clip with
-    clip-higher, optional KL and entropy terms); returns the step's update statistics."""
+    clip-higher, optional KL and entropy terms); returns the step's update statistics.
+    Micro-batches without an entry in `old_logps` run before any optimizer step (the first
+    minibatch), so their π_old is the forward's own log π, detached (the ratio is exactly 1);
+    it is kept for later epochs, and their hidden states go to the drafter."""
     rl, temperature, dev = s.cfg.rl, s.cfg.rollout.temperature, s.model.device
     policy = s.sharding.policy  # the engine's module, or its shards (run.shard=fsdp)
     policy.train()
@@ -264,8 +273,13 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
                 mb_ids = samples.ids[micro.rows, : micro.width].to(dev)
                 weights = micro.weights.to(dev)
                 with autocast(dev, s.dtype):  # log-probs (grpo.token_log_probs) are float32 whatever the dtype
-                    logits, _ = policy(mb_ids)
+                    logits, hidden = policy(mb_ids)
                 logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
+                if micro.key not in old_logps:  # the on-policy first minibatch: π_old is this forward's π
+                    old_logps[micro.key] = logp.detach()
+                    if s.drafter is not None:
+                        s.drafter.observe(s.step, mb_ids, hidden.detach().to(s.model.dtype),
+                                          samples.loss_mask[micro.rows, : micro.width - 1])
                 per_token, clipped = grpo.POLICY_LOSSES[rl.policy_loss](
                     logp, old_logps[micro.key], samples.advantages[micro.rows].to(dev),
                     samples.loss_mask[micro.rows, : micro.width - 1].to(dev), rl.clip_low, rl.clip_high)
