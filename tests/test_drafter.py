@@ -163,12 +163,34 @@ def test_training_improves_agreement_and_never_touches_the_target(target):
     assert [p.requires_grad for p in target.parameters()] == flags
 
 
+def test_cached_target_features_train_the_drafter_the_target_would(target):
+    """Each sequence's hidden states computed once (in length-sorted batches) and reused
+    train the same drafter as running the target at every step; a budget too small for them
+    falls back to the latter."""
+    from tailtamer.drafter.train import target_features
+
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(5, 30, (int(n),), generator=gen).tolist()
+            for n in torch.randint(3, 40, (30,), generator=gen)]
+    features = target_features(target, seqs, 1 << 30, batch_tokens=64)
+    with torch.no_grad():
+        alone = [target(torch.tensor([s]))[1][0] for s in seqs]
+    assert all(f.shape == a.shape and (f - a).abs().max() < 1e-5 for f, a in zip(features, alone))
+    assert target_features(target, seqs, 100) is None
+    runs = [train_drafter(target, seqs, DrafterTrainConfig(steps=20, batch_size=4, lr=3e-3, feature_cache_mb=mb),
+                          log=lambda _: None) for mb in (0, 64)]
+    assert runs[0][1]["final"]["loss"] == pytest.approx(runs[1][1]["final"]["loss"], rel=1e-4)
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        assert (a - b).abs().max() < 1e-4
+
+
 def _first_loss(target, seqs):
     _, info = train_drafter(target, seqs, DrafterTrainConfig(steps=1, batch_size=8), log=lambda _: None)
     return info["final"]["loss"]
 
 
-@pytest.mark.parametrize("kwargs", [{"steps": 0}, {"value_weight": 0.0, "prob_weight": 0.0}, {"prob_weight": -1.0}])
+@pytest.mark.parametrize("kwargs", [{"steps": 0}, {"value_weight": 0.0, "prob_weight": 0.0}, {"prob_weight": -1.0},
+                                    {"feature_cache_mb": -1}])
 def test_bad_training_config(kwargs):
     with pytest.raises(ConfigError):
         DrafterTrainConfig(**kwargs)

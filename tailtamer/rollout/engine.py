@@ -174,20 +174,21 @@ class Engine:
                         stats.catch_up_s += time.perf_counter() - t0
                     PHASES.mark("sd: catch-up at the switch (no arm)")
                 speculating = strategy is not None
-                t0, before = time.perf_counter(), sum(len(r.output_ids) for r in running)
+                t0 = time.perf_counter()
                 PHASES.mark("engine loop")
                 if strategy is not None:
-                    self._speculate(running, cache, params, stats, strategy)
+                    emitted = self._speculate(running, cache, params, stats, strategy)
                 else:
-                    self._decode_one(running, cache, params)
+                    emitted = self._decode_one(running, cache, params)
                 t1 = time.perf_counter()
                 PHASES.mark("sd: host bookkeeping" if strategy else "plain: host bookkeeping")
-                emitted = sum(len(r.output_ids) for r in running) - before
                 if tail:
                     spec.tuner.record(strategy, len(running), t1 - t0, emitted)
                 stats.record_step(t1 - start, t1 - t0, len(running), strategy.name if strategy else "plain", emitted)
-            done += [r for r in running if r.finish_reason]
-            running = self._compact(running, cache)
+            finished = [r for r in running if r.finish_reason]
+            if finished:
+                done += finished
+                running = self._compact(running, cache)
         stats.seconds = time.perf_counter() - start
         stats.tokens = sum(len(r.output_ids) for r in done)
         done.sort(key=lambda r: (r.prompt_index, r.sample_index))
@@ -213,9 +214,10 @@ class Engine:
                                   "values such as rms_norm_eps or rope_theta, make it diverge")
         return tokens
 
-    def _decode_one(self, running: list[Request], cache: KVCache, params: SamplingParams) -> None:
+    def _decode_one(self, running: list[Request], cache: KVCache, params: SamplingParams) -> int:
         """A plain decode step; with a proposer that wants them, the target's features of the
-        step go to it (one tensor write), so switching to SD later needs no extra forward."""
+        step go to it (one tensor write), so switching to SD later needs no extra forward.
+        Returns the number of tokens emitted (one per request)."""
         device, B = self.model.device, len(running)
         ids = torch.tensor([[r.output_ids[-1]] for r in running], device=device)
         cached = [r.cached for r in running]
@@ -232,8 +234,11 @@ class Engine:
         for r, token in zip(running, self._checked(tokens[:, 0].tolist())):
             r.cached += 1
             self._append(r, token, params)
+        return B
 
     def _admit(self, queue: deque, running: list[Request], slots: int) -> list[Request]:
+        if not queue or len(running) >= slots:
+            return []
         budget = self.config.max_tokens
         used = sum(r.budget for r in running)
         admitted = []
@@ -296,9 +301,10 @@ class Engine:
             self._append(r, token, params)
 
     def _speculate(self, running: list[Request], cache: KVCache, params: SamplingParams,
-                   stats: RolloutStats, strategy: Strategy) -> None:
+                   stats: RolloutStats, strategy: Strategy) -> int:
         """One SD step (see rollout/speculative.py): draft a tree per request, verify every tree
-        in one target forward, accept with the exact rule for the whole batch, commit."""
+        in one target forward, accept with the exact rule for the whole batch, commit. Returns
+        the number of tokens emitted."""
         device, B = self.model.device, len(running)
         cached = [r.cached for r in running]
         starts = torch.tensor(cached, device=device)
@@ -318,7 +324,7 @@ class Engine:
             positions = starts[:, None] + torch.arange(path.shape[1], device=device)
             self.proposer.observe(slice(0, B), positions, hidden[torch.arange(B, device=device)[:, None], path], tokens)
             PHASES.mark("sd: drafter observe")
-        moves = []
+        moves, emitted = [], 0
         drafted = (tree.valid.sum(1) - 1).tolist()
         for r, n, toks, nodes, d in zip(running, length.tolist(), tokens.tolist(), path.tolist(), drafted):
             before = len(r.output_ids)
@@ -327,6 +333,7 @@ class Engine:
                 if r.finish_reason:
                     break
             stats.record_sd(len(r.output_ids) - before, d)
+            emitted += len(r.output_ids) - before
             if r.finish_reason:
                 continue
             if nodes[:n] != list(range(n)):  # a tree's path: move its rows to consecutive positions
@@ -336,6 +343,7 @@ class Engine:
         if moves:
             cache.move_rows(moves)
             PHASES.mark("sd: commit (KV moves)")
+        return emitted
 
     def _append(self, r: Request, token: int, params: SamplingParams) -> None:
         r.output_ids.append(token)
