@@ -127,18 +127,21 @@ class Workers:
             return samples
         s = samples
         needed = needed_width(s.mask).tolist()
-        mine = [(s.ids[i, :n], s.mask[i, : n - 1], s.keep[i], s.advantages[i], s.index[i])
-                for i, n in enumerate(needed)]
+        # Plain lists travel: pickling a tensor per row costs ~0.1 s per step for 64 rows.
+        mine = list(zip([s.ids[i, :n].tolist() for i, n in enumerate(needed)],
+                        [s.mask[i, : n - 1].tolist() for i, n in enumerate(needed)],
+                        s.keep.tolist(), s.advantages.tolist(), s.index.tolist()))
         rows = [row for part in self.gather(mine) for row in part]
         costs = [len(r[0]) if r[2] else 0 for r in rows]
-        groups = group_of(torch.stack([r[4] for r in rows])).tolist()
+        groups = group_of(torch.tensor([r[4] for r in rows])).tolist()
         share = balanced_shares_by_group(costs, groups, self.world)[self.rank]
         width = max([len(rows[i][0]) for i in share] + [2])
         ids = torch.full((len(share), width), pad_id, dtype=s.ids.dtype)
         mask = torch.zeros(len(share), width - 1, dtype=torch.bool)
         for j, i in enumerate(share):
-            ids[j, : len(rows[i][0])], mask[j, : len(rows[i][1])] = rows[i][0], rows[i][1]
-        column = lambda k, dtype: torch.tensor([rows[i][k].item() for i in share], dtype=dtype)  # noqa: E731
+            ids[j, : len(rows[i][0])] = torch.tensor(rows[i][0], dtype=s.ids.dtype)
+            mask[j, : len(rows[i][1])] = torch.tensor(rows[i][1], dtype=torch.bool)
+        column = lambda k, dtype: torch.tensor([rows[i][k] for i in share], dtype=dtype)  # noqa: E731
         return Samples(ids, mask, column(2, torch.bool), column(3, s.advantages.dtype), column(4, torch.long))
 
     def share(self, make: Callable[[], object]):
