@@ -177,6 +177,8 @@ def test_cached_target_features_train_the_drafter_the_target_would(target):
         alone = [target(torch.tensor([s]))[1][0] for s in seqs]
     assert all(f.shape == a.shape and (f - a).abs().max() < 1e-5 for f, a in zip(features, alone))
     assert target_features(target, seqs, 100) is None
+    key = DrafterTrainConfig().key()  # the budget is memory, not what is trained
+    assert DrafterTrainConfig(feature_cache_mb=0).key() == key != DrafterTrainConfig(steps=5).key()
     runs = [train_drafter(target, seqs, DrafterTrainConfig(steps=20, batch_size=4, lr=3e-3, feature_cache_mb=mb),
                           log=lambda _: None) for mb in (0, 64)]
     assert runs[0][1]["final"]["loss"] == pytest.approx(runs[1][1]["final"]["loss"], rel=1e-4)

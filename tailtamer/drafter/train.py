@@ -58,7 +58,10 @@ class DrafterTrainConfig:
             raise ConfigError("drafter training: value_weight and prob_weight must be >= 0, not both 0")
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """The cache key of what these settings train (the feature cache's budget is memory, not
+        training: the drafter comes out the same)."""
+        fields = {k: v for k, v in asdict(self).items() if k != "feature_cache_mb"}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def eagle_pairs(ids: torch.Tensor, hidden: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor):
