@@ -260,6 +260,7 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
     minibatch), so their π_old is the forward's own log π, detached (the ratio is exactly 1);
     it is kept for later epochs, and their hidden states go to the drafter."""
     rl, temperature, dev = s.cfg.rl, s.cfg.rollout.temperature, s.model.device
+    loss_mask = samples.loss_mask  # a property over every sample: computed once, not per micro-batch
     policy = s.sharding.policy  # the engine's module, or its shards (run.shard=fsdp)
     policy.train()
     params_list = list(policy.parameters())
@@ -275,14 +276,14 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
                 with autocast(dev, s.dtype):  # log-probs (grpo.token_log_probs) are float32 whatever the dtype
                     logits, hidden = policy(mb_ids)
                 logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
+                mb_mask = loss_mask[micro.rows, : micro.width - 1]
                 if micro.key not in old_logps:  # the on-policy first minibatch: π_old is this forward's π
                     old_logps[micro.key] = logp.detach()
                     if s.drafter is not None:
-                        s.drafter.observe(s.step, mb_ids, hidden.detach().to(s.model.dtype),
-                                          samples.loss_mask[micro.rows, : micro.width - 1])
+                        s.drafter.observe(s.step, mb_ids, hidden.detach().to(s.model.dtype), mb_mask)
                 per_token, clipped = grpo.POLICY_LOSSES[rl.policy_loss](
                     logp, old_logps[micro.key], samples.advantages[micro.rows].to(dev),
-                    samples.loss_mask[micro.rows, : micro.width - 1].to(dev), rl.clip_low, rl.clip_high)
+                    mb_mask.to(dev), rl.clip_low, rl.clip_high)
                 loss = (per_token * weights).sum()
                 kl = entropy = torch.zeros((), device=dev)
                 if s.ref_model is not None:
