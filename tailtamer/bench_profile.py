@@ -1,6 +1,7 @@
 """`tailtamer bench profile`: where the time of a decode step and of an RL step goes.
 
-Decode: for batch sizes 1, 4 and 16, a plain step and SD steps (a depth-4 chain and a tree)
+Decode: for batch sizes 1, 4 and 16, a plain step and SD steps (a depth-4 chain, eager and with
+its draft levels compiled, and a tree)
 of the built-in base model with its warm-up drafter, split by the engine's phase marks
 (rollout/stats.py `PHASES`): target forward, drafter extend, each draft level, verify,
 sampling, the acceptance rule, the commit, and host-side bookkeeping; per step, in ms.
@@ -25,7 +26,8 @@ from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.speculator import Speculator
 from tailtamer.rollout.stats import PHASES
 
-ARMS = ("plain", "4_1_5", "4_2_8")
+# arm -> (strategy, draft chain compiled): None is plain decoding
+ARMS = {"plain": None, "4_1_5": ("4_1_5", False), "4_1_5 compiled": ("4_1_5", True), "4_2_8": ("4_2_8", False)}
 
 
 def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int = 96, repeats: int = 3) -> list[dict]:
@@ -40,12 +42,13 @@ def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int =
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=5)
     rows = []
     for batch in batches:
-        engines = {arm: Engine(model, tokenizer, EngineConfig(max_batch_size=batch), speculator=None if arm == "plain"
-                               else Speculator.fixed(EagleProposer(drafter), arm)) for arm in ARMS}
+        engines = {arm: Engine(model, tokenizer, EngineConfig(max_batch_size=batch), speculator=None if spec is None
+                               else Speculator.fixed(EagleProposer(drafter, compiled=spec[1]), spec[0]))
+                   for arm, spec in ARMS.items()}
         runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
         mine = prompts[: 2 * batch]
-        for engine in engines.values():
-            engine.generate(mine[:batch], params)  # warm-up
+        setup_s = {arm: engine.generate(mine[:batch], params)[1].setup_s  # warm-up (and compiling)
+                   for arm, engine in engines.items()}
         for _ in range(repeats):
             for arm, engine in engines.items():
                 PHASES.start()
@@ -65,6 +68,7 @@ def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int =
                 "step_vs_plain": round(step_ms / plain_ms, 3),
                 "tokens_per_step": round(statistics.median(r["tokens_per_step"] for r in results), 3),
                 "accept_len": round(statistics.median(r["accept_len"] for r in results), 3),
+                "compile_s": round(setup_s[arm], 1),
                 "phases_ms": {k: round(statistics.median(r["phases"].get(k, 0.0) for r in results), 3) for k in names},
             })
     return rows

@@ -99,7 +99,7 @@ def cmd_generate(args) -> None:
     from tailtamer.rollout.speculator import make_speculator
 
     spec = SpecConfig(mode=args.spec, strategy=args.strategy, drafter=args.drafter, bs_threshold=args.bs_threshold,
-                      tuner=args.tuner)
+                      tuner=args.tuner, compile=args.compile)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
     device = resolve_device(args.device)
@@ -114,6 +114,8 @@ def cmd_generate(args) -> None:
                     speculator=make_speculator(spec, model))
     labels = [f"{args.prompts}:{row['_row']}" for row in rows]
     completions, stats = engine.generate(prompts, params, labels)
+    if engine.proposer is not None and engine.proposer.notice:
+        print(engine.proposer.notice, file=sys.stderr)
     lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
                          "token_ids": c.token_ids, "finish_reason": c.finish_reason}) for c in completions]
     atomic_write_text(args.out, "\n".join(lines) + "\n")
@@ -283,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bs-threshold", type=int, default=SpecConfig().bs_threshold,
                    help="adaptive: speculate once at most this many requests are running")
     g.add_argument("--tuner", default="beg", choices=["beg", "fixed"], help="adaptive: strategy choice")
+    g.add_argument("--compile", action="store_true", help="EAGLE: compile the draft chains (spec.compile)")
 
     dr = sub.add_parser("drafter", help="drafter tools")
     dsub = dr.add_subparsers(dest="drafter_command", required=True, parser_class=_Parser)

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from tailtamer.device import collective_backend
 from tailtamer.errors import TailtamerError
@@ -270,6 +271,9 @@ def _exit_with_parent() -> None:
 
 def _spawned(rank: int, world: int, port: int, entry: Callable, args: tuple, results) -> None:
     _exit_with_parent()
+    # A tqdm bar (torch.compile's tracing makes one) would create a multiprocessing lock, which
+    # the os._exit below leaves to the launcher's resource tracker to warn about.
+    tqdm.set_lock(threading.RLock())
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -139,6 +139,7 @@ def prompts_as_texts(tmp_path):
     (["--spec", "on"], "needs a drafter"),
     (["--spec", "on", "--drafter", "ngram", "--strategy", "8x4"], "not DEPTH_TOPK_VERIFY"),
     (["--spec", "adaptive", "--drafter", "ngram", "--bs-threshold", "-1"], "bs_threshold must be >= 0"),
+    (["--spec", "on", "--drafter", "ngram", "--compile"], "spec.compile compiles an EAGLE drafter's draft chains"),
 ])
 def test_bad_speculation_flags(model_dir, tmp_path, capsys, extra, message):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])

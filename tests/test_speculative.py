@@ -1,6 +1,8 @@
 """Speculative decoding is lossless: identical greedy (and seeded sampled) output, the target's
 distribution under sampling (and a biased verifier is caught), strategies and the guard."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -211,6 +213,7 @@ def test_strategy_candidates():
     ({"acceptance": "typical"}, "refused"), ({"acceptance": "threshold"}, "refused"),
     ({"acceptance": "whatever"}, "refused"), ({"mode": "on"}, "needs a drafter"),
     ({"mode": "maybe"}, "must be off, on or adaptive"), ({"mode": "on", "drafter": "ngram", "strategy": "9"}, "DEPTH_TOPK"),
+    ({"mode": "on", "drafter": "ngram", "compile": True}, "spec.compile compiles an EAGLE drafter"),
 ])
 def test_lossless_guard_and_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -231,3 +234,64 @@ def test_stats_count_drafts_and_acceptances(target, trained_drafter):
     assert s["accepted_tokens"] == sum((int(k) - 1) * v for k, v in s["accept_len_hist"].items())
     rates = list(s["accept_rate_by_position"].values())
     assert rates == sorted(rates, reverse=True) and all(0 <= r <= 1 for r in rates)
+
+
+@pytest.mark.slow  # compiles three graphs
+def test_compiled_draft_chains_draft_what_eager_chains_draft(target, trained_drafter):
+    """The compiled chain (extend and levels in one graph, batches padded to a bucket) drafts
+    the eager chain's tokens: the same output and the same accepts, step for step. Batches of 4
+    to 1 running, so bucket 4 pads 3 requests; prompts past the batch, so admissions and
+    compaction happen between chains."""
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    prompts = TRAIN_PROMPTS[:7]
+    eager, eager_stats = _generate(target, prompts, params, 4, EagleProposer(trained_drafter), "3_1_4")
+    proposer = EagleProposer(trained_drafter, compiled=True)
+    calls = []
+    compiled_fn = proposer.chain.fn
+    proposer.chain.fn = lambda *a: calls.append(a[2].shape[0]) or compiled_fn(*a)
+    spec, stats = _generate(target, prompts, params, 4, proposer, "3_1_4")
+    assert proposer.chain.error is None and proposer.chain.ready == {(1, 3), (2, 3), (4, 3)}
+    # every SD step ran compiled, 3 running among them; compiling was charged to no step
+    assert len(calls) == stats.sd_steps and 3 in stats.seconds_by_running
+    assert stats.setup_s == proposer.setup_s > 0 and proposer.notice.startswith("spec.compile: draft chains compiled")
+    assert [c.token_ids for c in spec] == [c.token_ids for c in eager]
+    assert stats.accept_lens == eager_stats.accept_lens and stats.accept_len_mean > 1.2
+
+
+@pytest.mark.slow  # compiles a graph (or reuses the test above's)
+def test_a_compiled_chain_drafts_and_writes_what_the_eager_chain_does(target, trained_drafter):
+    """One SD step's chains from the same state: the same drafts, and the same drafter cache
+    rows wherever a later step reads (below each request's last level)."""
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(3, 20, target.config.hidden_size, generator=g, dtype=torch.float64)
+    tokens = torch.randint(5, 100, (3, 20), generator=g)
+    running = [SimpleNamespace(slot=i, cached=c) for i, c in enumerate((12, 9, 15))]
+    strategy = Strategy.parse("3_1_4")
+    out = []
+    with torch.inference_mode():
+        for compiled in (False, True):
+            proposer = EagleProposer(trained_drafter, compiled=compiled)
+            proposer.reserve(4, 32)
+            proposer.observe(slice(0, 3), torch.arange(20).expand(3, 20), features, tokens)
+            proposer.catch_up(running)
+            proposer.drafted[:3] = [c - k for c, k in zip((12, 9, 15), (1, 4, 2))]  # backlogs of 1, 4 and 2 pairs
+            tree = proposer.propose(running, torch.tensor([12, 9, 15]), strategy)
+            out.append((tree.tokens, [proposer.cache.kv[0, r.slot, : r.cached + 2] for r in running]))
+    (eager_tokens, eager_rows), (tokens, rows) = out
+    assert torch.equal(tokens, eager_tokens)
+    for a, b in zip(rows, eager_rows):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_chain_that_fails_to_compile_runs_eager(target, trained_drafter):
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    plain, _ = _generate(target, _prompts(3), params, 3)
+    proposer = EagleProposer(trained_drafter, compiled=True)
+
+    def no_compiler(*args):
+        raise RuntimeError("no C++ compiler found\ndetails")
+    proposer.chain.fn = no_compiler
+    spec, stats = _generate(target, _prompts(3), params, 3, proposer, "3_1_4")
+    assert proposer.notice == "spec.compile: compiling the draft chains failed (RuntimeError: no C++ compiler " \
+                              "found); they run eager"
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain] and stats.sd_steps > 0

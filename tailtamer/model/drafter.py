@@ -84,11 +84,13 @@ class Drafter(nn.Module):
     def target(self) -> Transformer:
         return self.__dict__["_target"]
 
-    def _run(self, ids, hidden, positions, mask=None, cache=None, view=None):
+    def _features(self, ids, hidden, positions, mask=None, kv=None, tables=None):
         x = self.fc(torch.cat((self.target.embed_tokens(ids), hidden.to(self.fc.weight.dtype)), dim=-1))
-        cos, sin = rotary(self.config, positions, x.dtype)
-        kv = None if cache is None else (cache.kv[0], view)
-        x = self.layers[0](x, cos, sin, mask, kv)
+        cos, sin = rotary(self.config, positions, x.dtype, tables)
+        return self.layers[0](x, cos, sin, mask, kv)
+
+    def _run(self, ids, hidden, positions, mask=None, kv=None):
+        x = self._features(ids, hidden, positions, mask, kv)
         return self.target.lm_head(x), x
 
     def forward(self, input_ids, hidden, positions=None, attn_mask=None):
@@ -100,7 +102,28 @@ class Drafter(nn.Module):
 
     def decode(self, input_ids, hidden, cache: KVCache, slots, starts, positions=None, tree_mask=None, span=None):
         positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask, span)
-        return self._run(input_ids, hidden, positions, mask, cache, view)
+        return self._run(input_ids, hidden, positions, mask, (cache.kv[0], view))
+
+    def greedy_chain(self, layer_cache: torch.Tensor, cache: KVCache, ids: torch.Tensor, hidden: torch.Tensor,
+                     starts: torch.Tensor, last: torch.Tensor, depth: int, span: int, tables) -> torch.Tensor:
+        """A whole draft chain in one call, written for `torch.compile` (no Python between
+        levels): the extend over pairs (hidden, ids) (B, W) of slots 0..B-1 at rows from
+        `starts` (pairs past `last` are padding), then `depth` - 1 greedy levels from each row's
+        last pair, level d at row and position starts + last + d. Returns the top-1 tokens
+        (B, depth). Padding rows lie where the levels write next or past them, and causal
+        attention never reads them. `span` covers every row written; `layer_cache` is
+        `cache.kv[0]` passed in as its own tensor: compiled, a write through a view taken
+        inside the graph copies the whole cache back, which costs more than the chain."""
+        positions, mask, view = decode_inputs(ids, cache, slice(0, ids.shape[0]), starts, span=span)
+        x = self._features(ids, hidden, positions, mask, (layer_cache, view), tables)
+        h = x[torch.arange(ids.shape[0], device=ids.device), last][:, None]
+        tokens = [self.target.lm_head(h)[:, 0].argmax(-1)]
+        for d in range(1, depth):
+            ids = tokens[-1][:, None]
+            positions, mask, view = decode_inputs(ids, cache, slice(0, ids.shape[0]), starts + last + d, span=span)
+            h = self._features(ids, h, positions, mask, (layer_cache, view), tables)
+            tokens.append(self.target.lm_head(h)[:, 0].argmax(-1))
+        return torch.stack(tokens, 1)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         return KVCache(self.config, slots, max_len, self.fc.weight.device, self.fc.weight.dtype)

@@ -238,11 +238,17 @@ class KVCache:
         return self.kv.numel() * self.kv.element_size()
 
 
-def rotary(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape (B, T, 1, head_dim) for absolute `positions` (B, T)."""
+def rotary_tables(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """The model's cos and sin tables (`rotary_table`), one per device and dtype."""
     # headroom past the context: draft-tree nodes of a request at its limit (discarded anyway)
-    cos, sin = rotary_table(cfg.rope_theta, cfg.head_size, cfg.max_position_embeddings + 1024, positions.device, dtype,
-                            cfg.rope_scaling)
+    return rotary_table(cfg.rope_theta, cfg.head_size, cfg.max_position_embeddings + 1024, device, dtype,
+                        cfg.rope_scaling)
+
+
+def rotary(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype, tables=None):
+    """cos, sin of shape (B, T, 1, head_dim) for absolute `positions` (B, T). A compiled
+    caller passes `tables` in: traced, the cached table function would be recomputed per call."""
+    cos, sin = tables if tables is not None else rotary_tables(cfg, positions.device, dtype)
     return cos[positions][:, :, None], sin[positions][:, :, None]
 
 

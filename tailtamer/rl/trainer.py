@@ -549,6 +549,10 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                     except OSError as e:
                         raise TrainingError(f"cannot write the metrics of step {s.step} into {s.run_dir} "
                                             f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
+                    notice = s.engine.proposer.notice if s.engine.proposer is not None else None
+                    if notice and notice not in reported:
+                        reported.add(notice)
+                        log(notice)
                     for kind, entry in row["reward_failures"].items():
                         if kind not in reported:
                             reported.add(kind)

@@ -9,8 +9,12 @@ pair. A plain step costs the engine two tensor writes here (observe), nothing mo
 
 from __future__ import annotations
 
-import torch
+import time
 
+import torch
+import torch.nn.functional as F
+
+from tailtamer.model.transformer import rotary_tables
 from tailtamer.rollout.proposer import Proposer
 from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.stats import PHASES
@@ -30,8 +34,13 @@ def eagle_chain(drafter, cache, batch: int, starts: torch.Tensor, root_logits: t
                                         span=max_start + d)
         PHASES.mark(f"sd: draft level {d + 1}")
         tokens.append(logits[:, 0].argmax(-1))
-    dev = pending.device
-    return Tree(tokens=torch.stack(tokens, 1), parents=torch.arange(-1, depth, device=dev).expand(batch, -1),
+    return chain_tree(torch.stack(tokens, 1))
+
+
+def chain_tree(tokens: torch.Tensor) -> Tree:
+    """The Tree of chains (B, depth + 1): the pending token, then each level's draft."""
+    batch, depth, dev = tokens.shape[0], tokens.shape[1] - 1, tokens.device
+    return Tree(tokens=tokens, parents=torch.arange(-1, depth, device=dev).expand(batch, -1),
                 depths=torch.arange(depth + 1, device=dev).expand(batch, -1),
                 valid=torch.ones(batch, depth + 1, dtype=torch.bool, device=dev), depth=depth, chain=True)
 
@@ -104,15 +113,84 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
                 valid=torch.ones(B, strategy.verify, dtype=torch.bool, device=dev), depth=D)
 
 
+BUCKETS = (1, 2, 4, 8)  # batch sizes of the compiled chains (at 16 eager is as fast: `bench profile`)
+
+
+class CompiledChain:
+    """Draft chains compiled with `torch.compile`, as gpt-fast and nano-vllm compile their
+    decode steps: `Drafter.greedy_chain`, the extend and every level in one graph. Eager, a
+    depth-4 chain at batch 1 is ~900 tensor operations of a few microseconds each, plus a
+    Python round trip per level.
+
+    Shapes are static but for the attention span: one graph per batch bucket (`BUCKETS` up to
+    the cache's slots; larger batches run eager) and depth, the extend padded to depth + 1
+    pairs (the most an SD step of that depth leaves; a longer backlog runs eager). A batch is
+    padded up to its bucket with rows of the free slots above it, whose drafter rows a request
+    admitted there overwrites from row 0 before reading any. A graph is compiled when a chain
+    first needs it, in seconds (Inductor caches the code on disk, so a later process takes a
+    fraction); `seconds` adds them up, which the engine charges to no step. If compiling
+    fails, chains run eager and `error` says why.
+    """
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        # compile_threads=1: no pool of compile processes (they outlive a worker and leak semaphores)
+        self.fn = torch.compile(drafter.greedy_chain, dynamic=True, options={"compile_threads": 1})
+        self.ready: set[tuple[int, int]] = set()  # (bucket, depth) compiled
+        self.seconds = 0.0
+        self.error: str | None = None
+
+    def bucket(self, batch: int, cache) -> int | None:
+        """The compiled batch size for `batch` chains, if there is one."""
+        b = next((b for b in BUCKETS if b >= batch), None)
+        return b if self.fn is not None and b is not None and b <= cache.slots else None
+
+    def __call__(self, cache, ids, hidden, starts, last, depth: int, span: int, bucket: int) -> torch.Tensor | None:
+        """The (B, depth) drafts, or None if the graph failed to compile."""
+        B, pad = ids.shape[0], bucket - ids.shape[0]
+        if pad:
+            ids, starts, last = F.pad(ids, (0, 0, 0, pad)), F.pad(starts, (0, pad)), F.pad(last, (0, pad))
+            hidden = F.pad(hidden, (0, 0, 0, 0, 0, pad))
+        w = self.drafter.fc.weight
+        tables = rotary_tables(self.drafter.config, w.device, w.dtype)
+        if (bucket, depth) in self.ready:
+            return self.fn(cache.kv[0], cache, ids, hidden, starts, last, depth, span, tables)[:B]
+        t0 = time.perf_counter()
+        try:  # dynamo's default of 8 graphs per function is below buckets x depths
+            with torch._dynamo.config.patch(recompile_limit=max(8, len(self.ready) + 1)):
+                drafts = self.fn(cache.kv[0], cache, ids, hidden, starts, last, depth, span, tables)[:B]
+        except Exception as e:  # no C++ compiler, an unsupported op: eager still works
+            self.fn, self.error = None, f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}"
+            return None
+        finally:
+            self.seconds += time.perf_counter() - t0
+        self.ready.add((bucket, depth))
+        return drafts
+
+
 class EagleProposer(Proposer):
     needs_hidden = True
 
-    def __init__(self, drafter: torch.nn.Module):
+    def __init__(self, drafter: torch.nn.Module, compiled: bool = False):
         self.drafter = drafter
+        self.chain = CompiledChain(drafter) if compiled else None
         self.cache = None
         self.features = None  # (slots, max_len, H): h_j of each committed position j
         self.next_tokens = None  # (slots, max_len): x_{j+1}
         self.drafted: list[int] = []  # per slot: pairs the drafter's cache holds
+
+    @property
+    def setup_s(self) -> float:
+        return self.chain.seconds if self.chain is not None else 0.0
+
+    @property
+    def notice(self) -> str | None:
+        if self.chain is None or not self.chain.seconds:
+            return None
+        if self.chain.error:
+            return f"spec.compile: compiling the draft chains failed ({self.chain.error}); they run eager"
+        return (f"spec.compile: draft chains compiled in {self.chain.seconds:.1f} s so far (batch sizes x depths: "
+                f"{', '.join(f'{b}x{d}' for b, d in sorted(self.chain.ready))})")
 
     def reserve(self, slots: int, max_len: int) -> None:
         w = self.drafter.fc.weight
@@ -152,29 +230,59 @@ class EagleProposer(Proposer):
             self._extend(behind, [r.cached - 1 for r in behind])
         return bool(behind)
 
+    def _backlog(self, requests: list, ends: list[int], width: int):
+        """The pairs [drafted, end) of each request, right-padded to `width`: tokens, features,
+        first rows and last real index; marks them drafted."""
+        dev = self.features.device
+        slot_ids = [r.slot for r in requests]
+        starts = torch.tensor([self.drafted[s] for s in slot_ids], device=dev)
+        rows = torch.tensor(slot_ids, device=dev)[:, None]
+        index = (starts[:, None] + torch.arange(width, device=dev)).clamp(max=self.features.shape[1] - 1)
+        last = torch.tensor([e - self.drafted[s] - 1 for s, e in zip(slot_ids, ends)], device=dev)
+        for s, e in zip(slot_ids, ends):
+            self.drafted[s] = e
+        return self.next_tokens[rows, index], self.features[rows, index], starts, last
+
     def _extend(self, requests: list, ends: list[int]):
         """The drafter over pairs [drafted, end) of each request, written into its cache;
         returns its logits and features at each request's last pair."""
-        dev = self.features.device
         slot_ids = [r.slot for r in requests]
-        starts = [self.drafted[s] for s in slot_ids]
-        width = max(e - s for s, e in zip(starts, ends))
-        start_t = torch.tensor(starts, device=dev)
-        slots = slice(0, len(requests)) if slot_ids == list(range(len(requests))) else torch.tensor(slot_ids, device=dev)
-        rows = torch.tensor(slot_ids, device=dev)[:, None]
-        index = (start_t[:, None] + torch.arange(width, device=dev)).clamp(max=self.features.shape[1] - 1)
-        logits, out = self.drafter.decode(self.next_tokens[rows, index], self.features[rows, index], self.cache,
-                                          slots, start_t, span=max(starts) + width)
-        for s, e in zip(slot_ids, ends):
-            self.drafted[s] = e
-        last = torch.tensor([e - s - 1 for s, e in zip(starts, ends)], device=dev)
-        batch = torch.arange(len(requests), device=dev)
+        width = max(e - self.drafted[s] for s, e in zip(slot_ids, ends))
+        span = max(self.drafted[s] for s in slot_ids) + width
+        slots = slice(0, len(requests)) if slot_ids == list(range(len(requests))) else \
+            torch.tensor(slot_ids, device=self.features.device)
+        ids, hidden, starts, last = self._backlog(requests, ends, width)
+        logits, out = self.drafter.decode(ids, hidden, self.cache, slots, starts, span=span)
+        batch = torch.arange(len(requests), device=last.device)
         return logits[batch, last], out[batch, last]
 
+    def _compiled_chain(self, running: list, pending: torch.Tensor, depth: int) -> Tree | None:
+        """`CompiledChain` where it applies (slots 0..B-1, a compiled bucket, a backlog of at
+        most depth + 1 pairs), else None."""
+        B, ends = len(running), [r.cached for r in running]
+        bucket = self.chain.bucket(B, self.cache)
+        firsts = [self.drafted[r.slot] for r in running]
+        if bucket is None or any(r.slot != i for i, r in enumerate(running)) or \
+                max(e - s for s, e in zip(firsts, ends)) > depth + 1:
+            return None
+        span = max(max(firsts) + depth + 1, max(ends) + depth - 1)
+        ids, hidden, starts, last = self._backlog(running, ends, depth + 1)
+        drafts = self.chain(self.cache, ids, hidden, starts, last, depth, span, bucket)
+        if drafts is None:  # failed to compile: rewind the backlog for the eager chain
+            for r, first in zip(running, firsts):
+                self.drafted[r.slot] = first
+            return None
+        PHASES.mark("sd: draft chain (compiled)")
+        return chain_tree(torch.cat((pending[:, None], drafts), 1))
+
     def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
+        pending = self.next_tokens[torch.arange(len(running), device=starts.device), starts - 1]
+        if self.chain is not None and strategy.topk == 1:
+            tree = self._compiled_chain(running, pending, strategy.depth)
+            if tree is not None:
+                return tree
         logits, out = self._extend(running, [r.cached for r in running])
         PHASES.mark("sd: drafter extend (draft level 1)")
-        pending = self.next_tokens[torch.arange(len(running), device=starts.device), starts - 1]
         B, top = len(running), max(r.cached for r in running)
         if strategy.topk == 1:
             return eagle_chain(self.drafter, self.cache, B, starts, logits, out, pending, strategy.depth, top)

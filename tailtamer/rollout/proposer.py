@@ -29,6 +29,10 @@ from tailtamer.rollout.speculative import Strategy, Tree
 class Proposer:
     needs_hidden = False  # whether observe() wants the target's hidden states
     drafter: torch.nn.Module | None = None  # a learned drafter, which the adaptive drafter trains
+    # One-off setup (compiling) so far, in seconds: the engine charges it to no step and reports
+    # it apart (`RolloutStats.setup_s`); `notice` is a line for the user about it.
+    setup_s = 0.0
+    notice: str | None = None
 
     def reserve(self, slots: int, max_len: int) -> None:
         pass

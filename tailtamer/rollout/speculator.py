@@ -35,6 +35,9 @@ class SpecConfig:
     epsilon: float = f(0.1, "beg: exploration probability")
     window: int = f(30, "beg: rewards kept per arm (median)")
     seed: int = f(0, "beg: exploration randomness (never the sampling randomness)")
+    compile: bool = f(False, "EAGLE: draft chains (DEPTH_1_VERIFY) in one torch.compile graph per batch size "
+                             "1/2/4/8 and depth, compiled at a process's first rollout (seconds each, cached on "
+                             "disk); eager elsewhere and if compiling fails")
 
     def __post_init__(self):
         if self.mode not in ("off", "on", "adaptive"):
@@ -52,6 +55,8 @@ class SpecConfig:
         if self.tuner not in ("beg", "fixed"):
             raise ConfigError(f"spec.tuner must be beg or fixed, got {self.tuner!r}")
         at_least(self, "spec", 0, "bs_threshold")
+        if self.compile and self.drafter == "ngram":
+            raise ConfigError("spec.compile compiles an EAGLE drafter's draft chains; the ngram drafter has none")
         if self.mode == "adaptive" and self.tuner == "beg":
             self.make_tuner()  # validates strategies against bucket thresholds
 
@@ -91,5 +96,5 @@ def make_speculator(spec: SpecConfig, target) -> Speculator | None:
     if spec.drafter == "ngram":
         proposer = NgramProposer()
     else:
-        proposer = EagleProposer(load_drafter(spec.drafter, target))
+        proposer = EagleProposer(load_drafter(spec.drafter, target), compiled=spec.compile)
     return Speculator(proposer, spec.make_tuner(), spec.bs_threshold if spec.mode == "adaptive" else None)

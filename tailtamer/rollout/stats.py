@@ -23,6 +23,7 @@ class RolloutStats:
     sd_seconds: float = 0.0
     plain_seconds: float = 0.0  # decode steps without speculation
     catch_up_s: float = 0.0  # the drafter catching up at each switch to SD (charged to no arm)
+    setup_s: float = 0.0  # the proposer's one-off setup (compiling), in no step and not in `seconds`
     by_strategy: dict[str, dict] = field(default_factory=dict)  # name -> steps, seconds, tokens, request_steps
     accept_lens: dict[int, int] = field(default_factory=dict)  # tokens emitted per request-step -> count
     depth_accepts: dict[int, int] = field(default_factory=dict)  # draft depth d -> request-steps accepting >= d
@@ -74,6 +75,7 @@ class RolloutStats:
             "sd_seconds": self.sd_seconds,
             "plain_seconds": self.plain_seconds,
             "catch_up_s": self.catch_up_s,
+            "setup_s": self.setup_s,
             "by_strategy": {k: {**v, "accept_len": v["tokens"] / v["request_steps"]} for k, v in self.by_strategy.items()},
             "accept_len_mean": self.accept_len_mean,
             "accept_len_hist": {str(k): v for k, v in sorted(self.accept_lens.items())},
