@@ -112,8 +112,9 @@ class Drafter(nn.Module):
         last pair, level d at row and position starts + last + d. Returns the top-1 tokens
         (B, depth). Padding rows lie where the levels write next or past them, and causal
         attention never reads them. `span` covers every row written; `layer_cache` is
-        `cache.kv[0]` passed in as its own tensor: compiled, a write through a view taken
-        inside the graph copies the whole cache back, which costs more than the chain."""
+        `cache.kv[0]` passed in as its own tensor: taken inside the graph, it is a view of the
+        cache's one tensor for all layers, and a compiled write through it copies that whole
+        tensor back, which costs more than the chain."""
         positions, mask, view = decode_inputs(ids, cache, slice(0, ids.shape[0]), starts, span=span)
         x = self._features(ids, hidden, positions, mask, (layer_cache, view), tables)
         h = x[torch.arange(ids.shape[0], device=ids.device), last][:, None]

@@ -10,6 +10,7 @@ pair. A plain step costs the engine two tensor writes here (observe), nothing mo
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +123,7 @@ class CompiledChain:
     depth-4 chain at batch 1 is ~900 tensor operations of a few microseconds each, plus a
     Python round trip per level.
 
-    Shapes are static but for the attention span: one graph per batch bucket (`BUCKETS` up to
+    Shapes are static but for the attention span: a graph per batch bucket (`BUCKETS` up to
     the cache's slots; larger batches run eager) and depth, the extend padded to depth + 1
     pairs (the most an SD step of that depth leaves; a longer backlog runs eager). A batch is
     padded up to its bucket with rows of the free slots above it, whose drafter rows a request
@@ -134,8 +135,10 @@ class CompiledChain:
 
     def __init__(self, drafter):
         self.drafter = drafter
-        # compile_threads=1: no pool of compile processes (they outlive a worker and leak semaphores)
-        self.fn = torch.compile(drafter.greedy_chain, dynamic=True, options={"compile_threads": 1})
+        # dynamic: the span varies at every step (dynamo still specialises the batch and width);
+        # fullgraph: a graph break would put Python between the levels again, so it fails instead;
+        # compile_threads=1: no pool of compile processes, which would outlive a worker
+        self.fn = torch.compile(drafter.greedy_chain, dynamic=True, fullgraph=True, options={"compile_threads": 1})
         self.ready: set[tuple[int, int]] = set()  # (bucket, depth) compiled
         self.seconds = 0.0
         self.error: str | None = None
@@ -153,18 +156,16 @@ class CompiledChain:
             hidden = F.pad(hidden, (0, 0, 0, 0, 0, pad))
         w = self.drafter.fc.weight
         tables = rotary_tables(self.drafter.config, w.device, w.dtype)
-        if (bucket, depth) in self.ready:
-            return self.fn(cache.kv[0], cache, ids, hidden, starts, last, depth, span, tables)[:B]
-        t0 = time.perf_counter()
-        try:  # dynamo's default of 8 graphs per function is below buckets x depths
-            with torch._dynamo.config.patch(recompile_limit=max(8, len(self.ready) + 1)):
+        new, t0 = (bucket, depth) not in self.ready, time.perf_counter()
+        try:  # dynamo keeps 8 graphs per function by default, fewer than buckets x depths
+            with torch._dynamo.config.patch(cache_size_limit=8 * len(BUCKETS)) if new else nullcontext():
                 drafts = self.fn(cache.kv[0], cache, ids, hidden, starts, last, depth, span, tables)[:B]
-        except Exception as e:  # no C++ compiler, an unsupported op: eager still works
-            self.fn, self.error = None, f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}"
-            return None
-        finally:
+        except Exception as e:  # no C++ compiler, an unsupported op, a bug: the eager chain still works
+            self.fn, self.error, drafts = None, f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}", None
+        if new or drafts is None:  # compiling (or failing to), charged to no step
             self.seconds += time.perf_counter() - t0
-        self.ready.add((bucket, depth))
+        if drafts is not None:
+            self.ready.add((bucket, depth))
         return drafts
 
 

@@ -187,7 +187,8 @@ class Engine:
                 PHASES.mark("sd: host bookkeeping" if strategy else "plain: host bookkeeping")
                 if tail:
                     spec.tuner.record(strategy, len(running), t1 - t0, emitted)
-                stats.record_step(t1 - start, t1 - t0, len(running), strategy.name if strategy else "plain", emitted)
+                stats.record_step(t1 - start - stats.setup_s, t1 - t0, len(running), strategy.name if strategy else "plain",
+                                  emitted)
             finished = [r for r in running if r.finish_reason]
             if finished:
                 done += finished

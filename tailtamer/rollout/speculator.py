@@ -35,9 +35,9 @@ class SpecConfig:
     epsilon: float = f(0.1, "beg: exploration probability")
     window: int = f(30, "beg: rewards kept per arm (median)")
     seed: int = f(0, "beg: exploration randomness (never the sampling randomness)")
-    compile: bool = f(False, "EAGLE: draft chains (DEPTH_1_VERIFY) in one torch.compile graph per batch size "
-                             "1/2/4/8 and depth, compiled at a process's first rollout (seconds each, cached on "
-                             "disk); eager elsewhere and if compiling fails")
+    compile: bool = f(False, "EAGLE: draft chains (DEPTH_1_VERIFY) as one torch.compile graph per batch size "
+                             "1/2/4/8 and depth, each compiled when first needed (seconds; cached on disk) and "
+                             "charged to no step; eager elsewhere and if compiling fails")
 
     def __post_init__(self):
         if self.mode not in ("off", "on", "adaptive"):
