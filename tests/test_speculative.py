@@ -236,6 +236,15 @@ def test_stats_count_drafts_and_acceptances(target, trained_drafter):
     assert rates == sorted(rates, reverse=True) and all(0 <= r <= 1 for r in rates)
 
 
+def _check_compiled(proposer):
+    """Skip where torch.compile cannot build code (no C++ compiler); anywhere else the chain
+    must have compiled."""
+    error = proposer.chain.error or ""
+    if "c++" in error.lower() or "compiler" in error.lower():
+        pytest.skip(f"torch.compile cannot build code here: {error}")
+    assert proposer.chain.error is None
+
+
 @pytest.mark.slow  # compiles three graphs
 def test_compiled_draft_chains_draft_what_eager_chains_draft(target, trained_drafter):
     """The compiled chain (extend and levels in one graph, batches padded to a bucket) drafts
@@ -250,7 +259,8 @@ def test_compiled_draft_chains_draft_what_eager_chains_draft(target, trained_dra
     compiled_fn = proposer.chain.fn
     proposer.chain.fn = lambda *a: calls.append(a[2].shape[0]) or compiled_fn(*a)
     spec, stats = _generate(target, prompts, params, 4, proposer, "3_1_4")
-    assert proposer.chain.error is None and proposer.chain.ready == {(1, 3), (2, 3), (4, 3)}
+    _check_compiled(proposer)
+    assert proposer.chain.ready == {(1, 3), (2, 3), (4, 3)}
     # every SD step ran compiled, 3 running among them; compiling was charged to no step
     assert len(calls) == stats.sd_steps and 3 in stats.seconds_by_running
     assert stats.setup_s == proposer.setup_s > 0 and proposer.notice.startswith("spec.compile: draft chains compiled")
@@ -277,6 +287,8 @@ def test_a_compiled_chain_drafts_and_writes_what_the_eager_chain_does(target, tr
             proposer.drafted[:3] = [c - k for c, k in zip((12, 9, 15), (1, 4, 2))]  # backlogs of 1, 4 and 2 pairs
             tree = proposer.propose(running, torch.tensor([12, 9, 15]), strategy)
             out.append((tree.tokens, [proposer.cache.kv[0, r.slot, : r.cached + 2] for r in running]))
+    _check_compiled(proposer)
+    assert proposer.chain.ready == {(4, 3)}  # 3 running, padded to 4
     (eager_tokens, eager_rows), (tokens, rows) = out
     assert torch.equal(tokens, eager_tokens)
     for a, b in zip(rows, eager_rows):
