@@ -182,8 +182,9 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
                   max_new_tokens: int = 512, plot: str | None = "runs/bench-rollout.png") -> dict:
     """A long-tail GRPO-style rollout (prompts × n samples at T=1, all admitted at once) run as
     (a) plain decoding, (b) SD on every step with a fixed strategy, (c) adaptive: plain while more
-    than spec.bs_threshold requests run, then SD with the BEG-MAB tuner. Same seeds, so the
-    three emit the same tokens; runs are interleaved and timed in one process."""
+    than spec.bs_threshold requests run, then SD with the BEG-MAB tuner, (d) the same with the
+    draft chains compiled (`spec.compile`; compile time is not in its seconds). Same seeds, so
+    all emit the same tokens; runs are interleaved and timed in one process."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.eagle import EagleProposer
@@ -204,6 +205,8 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             EagleProposer(drafter), fixed.make_tuner())),
         "adaptive": lambda: Engine(model, tokenizer, config, speculator=Speculator(
             EagleProposer(drafter), adaptive.make_tuner(), adaptive.bs_threshold)),
+        "adaptive_compiled": lambda: Engine(model, tokenizer, config, speculator=Speculator(
+            EagleProposer(drafter, compiled=True), adaptive.make_tuner(), adaptive.bs_threshold)),
     }
     Engine(model, tokenizer, config).generate(ids[:2], params)  # warm-up
     seconds: dict[str, list[float]] = {k: [] for k in arms}
@@ -229,7 +232,7 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             "seconds": round(statistics.median(seconds[name]), 3),
             "speedup_vs_plain": round(base / statistics.median(seconds[name]), 3),
             "plain_decode_s": round(s["plain_seconds"], 3), "sd_decode_s": round(s["sd_seconds"], 3),
-            "accept_len_mean": round(s["accept_len_mean"], 3),
+            "accept_len_mean": round(s["accept_len_mean"], 3), "compile_s": round(s["setup_s"], 1),
             "accept_len_by_strategy": {k: round(v["accept_len"], 3) for k, v in s["by_strategy"].items()},
             "accuracy": sum(reward(c.text, problems[c.prompt_index]["answer"]) for c in completions) / len(completions),
             "identical_to_plain": sum(a.token_ids == b.token_ids for a, b in zip(plain_completions, completions))
