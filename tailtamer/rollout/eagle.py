@@ -137,7 +137,8 @@ class CompiledChain:
         self.drafter = drafter
         # dynamic: the span varies at every step (dynamo still specialises the batch and width);
         # fullgraph: a graph break would put Python between the levels again, so it fails instead;
-        # compile_threads=1: no pool of compile processes, which would outlive a worker
+        # compile_threads=1: compile in this process, not in a pool of compile processes that every
+        # worker would start (the shutdown warning seen with compiling was tqdm's lock: dist._spawned)
         self.fn = torch.compile(drafter.greedy_chain, dynamic=True, fullgraph=True, options={"compile_threads": 1})
         self.ready: set[tuple[int, int]] = set()  # (bucket, depth) compiled
         self.seconds = 0.0
