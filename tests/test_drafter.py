@@ -172,18 +172,31 @@ def test_cached_target_features_train_the_drafter_the_target_would(target):
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(5, 30, (int(n),), generator=gen).tolist()
             for n in torch.randint(3, 40, (30,), generator=gen)]
-    features = target_features(target, seqs, 1 << 30, batch_tokens=64)
     with torch.no_grad():
         alone = [target(torch.tensor([s]))[1][0] for s in seqs]
+    with pytest.MonkeyPatch.context() as mp:  # the hidden states only: no (B, T, V) logits to throw away
+        mp.setattr(target.lm_head, "forward", lambda _: pytest.fail("target_features ran the LM head"))
+        features = target_features(target, seqs, 1 << 30, batch_tokens=64)
     assert all(f.shape == a.shape and (f - a).abs().max() < 1e-5 for f, a in zip(features, alone))
     assert target_features(target, seqs, 100) is None
     key = DrafterTrainConfig().key()  # the budget is memory, not what is trained
     assert DrafterTrainConfig(feature_cache_mb=0).key() == key != DrafterTrainConfig(steps=5).key()
+    logs: dict[int, list[str]] = {0: [], 64: []}
     runs = [train_drafter(target, seqs, DrafterTrainConfig(steps=20, batch_size=4, lr=3e-3, feature_cache_mb=mb),
-                          log=lambda _: None) for mb in (0, 64)]
+                          log=logs[mb].append) for mb in (0, 64)]
+    assert any("over the - budget" in line and "runs at every step" in line for line in logs[0])
+    assert not any("budget" in line for line in logs[64])
     assert runs[0][1]["final"]["loss"] == pytest.approx(runs[1][1]["final"]["loss"], rel=1e-4)
     for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters()):
         assert (a - b).abs().max() < 1e-4
+
+
+def test_feature_budget_is_the_setting_capped_at_half_the_free_memory():
+    from tailtamer.drafter.train import feature_budget
+
+    assert feature_budget(2048, None) == 2048 << 20  # free memory unknown: the setting
+    assert feature_budget(2048, 1 << 30) == 1 << 29  # 1 GiB free: half of it
+    assert feature_budget(64, 1 << 40) == 64 << 20
 
 
 def _first_loss(target, seqs):

@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 from tailtamer.atomic import atomic_write_json
 from tailtamer.config_fields import f
+from tailtamer.device import device_memory
 from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.drafter import Drafter, init_drafter, save_drafter
 from tailtamer.model.io import load_pretrained
+from tailtamer.memory import available_memory, size
 from tailtamer.model.transformer import Transformer
 from tailtamer.sft import make_batch
 
@@ -147,6 +149,11 @@ def train_drafter(target: Transformer, sequences: list[list[int]], cfg: DrafterT
             p.requires_grad_(flag)
 
 
+def feature_bytes(target: Transformer, sequences: list[list[int]]) -> int:
+    """Memory of `target_features`' result: a hidden state per token."""
+    return sum(len(s) for s in sequences) * target.config.hidden_size * target.dtype.itemsize
+
+
 @torch.no_grad()
 def target_features(target: Transformer, sequences: list[list[int]], budget_bytes: int,
                     batch_tokens: int = 8192) -> list[torch.Tensor] | None:
@@ -154,8 +161,7 @@ def target_features(target: Transformer, sequences: list[list[int]], budget_byte
     length-sorted batches of at most `batch_tokens` padded tokens; None when they would take
     more than `budget_bytes`. The training steps then run only the drafter and the LM head,
     where running the target each step costs its every layer against the drafter's one."""
-    size = target.config.hidden_size * target.dtype.itemsize
-    if sum(len(s) for s in sequences) * size > budget_bytes:
+    if feature_bytes(target, sequences) > budget_bytes:
         return None
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     features: list[torch.Tensor | None] = [None] * len(sequences)
@@ -166,17 +172,30 @@ def target_features(target: Transformer, sequences: list[list[int]], budget_byte
             end += 1
         chunk, start = order[start:end], end
         ids, _ = make_batch([(sequences[i], [1] * len(sequences[i])) for i in chunk], 0, target.device)
-        hidden = target(ids)[1]
+        hidden = target.hidden_states(ids)
         for j, i in enumerate(chunk):
             features[i] = hidden[j, : len(sequences[i])].clone()
     return features
+
+
+def feature_budget(cache_mb: int, available: int | None) -> int:
+    """Bytes the warm-up may keep in target features: `feature_cache_mb`, but at most half of
+    what the device has free (None: unknown, the setting alone), so a large model's cache
+    degrades to running the target every step instead of exhausting memory."""
+    budget = cache_mb << 20
+    return budget if available is None else min(budget, available // 2)
 
 
 def _train(target, sequences, cfg, drafter, rng, log):
     drafter.train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     t0, history = time.perf_counter(), []
-    features = target_features(target, sequences, cfg.feature_cache_mb << 20)
+    device = target.device
+    budget = feature_budget(cfg.feature_cache_mb, available_memory(device.type, lambda: device_memory(device)))
+    features = target_features(target, sequences, budget)
+    if features is None:
+        log(f"drafter training: the target's features take {size(feature_bytes(target, sequences))}, over the {size(budget)} budget "
+            f"(feature_cache_mb, at most half the free memory): the target runs at every step instead")
     for step in range(cfg.steps):
         # Batches of similar length waste less on padding (lengths are long-tailed).
         pool = sorted(rng.sample(range(len(sequences)), min(len(sequences), cfg.batch_size * 4)),

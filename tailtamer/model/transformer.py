@@ -303,7 +303,7 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def _run(self, ids, positions, mask=None, cache=None, view=None, logits_at=None):
+    def _hidden(self, ids, positions, mask=None, cache=None, view=None):
         x = self.embed_tokens(ids)
         cos, sin = rotary(self.config, positions, x.dtype)
         recompute = self.grad_checkpointing and cache is None and torch.is_grad_enabled()
@@ -313,7 +313,10 @@ class Transformer(nn.Module):
                 continue
             kv = None if cache is None else (cache.kv[i], view)
             x = layer(x, cos, sin, mask, kv)
-        hidden = self.norm(x)
+        return self.norm(x)
+
+    def _run(self, ids, positions, mask=None, cache=None, view=None, logits_at=None):
+        hidden = self._hidden(ids, positions, mask, cache, view)
         if logits_at is not None:  # (B,) one position per row: the LM head only there
             return self.lm_head(hidden[torch.arange(len(logits_at), device=hidden.device), logits_at][:, None]), hidden
         return self.lm_head(hidden), hidden
@@ -326,6 +329,13 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         mask = None if attn_mask is None else attn_mask[:, None]
         return self._run(input_ids, positions, mask)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final (normed) hidden states of a causal pass, (B, T, H), without the LM head:
+        what the drafter learns from (the (B, T, V) logits of a 150k vocabulary would be 40x
+        the hidden states' memory, computed to be thrown away)."""
+        B, T = input_ids.shape
+        return self._hidden(input_ids, torch.arange(T, device=input_ids.device).expand(B, T))
 
     def decode(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor | slice, starts: torch.Tensor,
                positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None, span: int | None = None):

@@ -248,7 +248,7 @@ def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
             for chunk in token_budget_chunks(widths, rl.micro_batch_size, rl.micro_batch_tokens):
                 rows, width = dropped[chunk], max(widths[i] for i in chunk)
                 chunk_ids = ids[rows, :width].to(dev)
-                s.drafter.observe(s.step, chunk_ids, s.model(chunk_ids)[1].to(s.model.dtype),
+                s.drafter.observe(s.step, chunk_ids, s.model.hidden_states(chunk_ids).to(s.model.dtype),
                                   samples.mask[rows, : width - 1])
     return old, ref
 
