@@ -279,6 +279,9 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
     def median(name, key):
         return statistics.median(row.get(key) or 0.0 for run in rows[name] for row in run)  # no drafter: null
 
+    def total(name):
+        return sum(row["step_s"] for run in rows[name] for row in run)
+
     sd, off = rows["sd"][0], rows["off"][0]
     return {
         "steps": steps, "repeats": repeats, "workers": sd[0]["workers"], "overrides": list(overrides),
@@ -289,6 +292,9 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
                                           / statistics.median(row["step_s"] for row in b), 3)
                                     for a, b in zip(rows["off"], rows["sd"])],
         "rollout_speedup": round(median("off", "rollout_s") / median("sd", "rollout_s"), 3),
+        # whole runs, first steps included: what the medians leave out (start-up, compiling)
+        "steps_total_s": {k: round(total(k), 2) for k in arms},
+        "run_speedup": round(total("off") / total("sd"), 3),
         "reward_mean": {k: round(statistics.mean(row["reward_mean"] for row in rows[k][0]), 4) for k in arms},
         "steps_with_equal_rewards": sum(a["reward_mean"] == b["reward_mean"] for a, b in zip(sd, off)) / steps,
         "reward_max_abs_diff": max(abs(a["reward_mean"] - b["reward_mean"]) for a, b in zip(sd, off)),

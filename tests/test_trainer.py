@@ -15,7 +15,7 @@ from tailtamer.rl.batching import response_batch
 from tailtamer.rl.trainer import train
 
 TIME_FIELDS = {"rollout_s", "rollout_tail_s", "train_s", "step_s", "idle_worker_s", "drafter_train_s", "drafter_preempt_s",
-               "timeline"}
+               "compile_s", "timeline"}
 
 
 def _rows(run_dir: Path):
@@ -38,7 +38,8 @@ def test_grpo_raises_reward_on_a_toy_task(toy, tmp_path):
     run = tmp_path / "runs" / "learn"
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file() and (run / "curves.png").is_file()
     for field in ("step", "reward_mean", "accuracy", "response_len_mean", "response_len_p50", "response_len_max",
-                  "rollout_s", "train_s", "step_s", "sd_tokens_frac", "accept_len_mean", "drafter_loss", "drafter_train_s", "idle_worker_s"):
+                  "rollout_s", "train_s", "step_s", "sd_tokens_frac", "accept_len_mean", "drafter_loss", "drafter_train_s", "idle_worker_s",
+                  "compile_s"):
         assert field in rows[0]
     # no drafter runs in the toy job: its fields are null, and no logger gets them
     assert all(rows[0][k] is None for k in rows[0] if k.startswith("drafter_"))
@@ -296,6 +297,31 @@ def test_adaptive_drafter_trains_in_the_window_and_is_checkpointed(toy, model_di
     assert len({start_sha, *shas}) == 4  # a new drafter after every step, and the engine ran it (checked)
     saved = tmp_path / "runs" / "spot" / "checkpoints" / "step-000003" / "drafter"
     assert weights_checksum(load_drafter(saved, load_model(saved.parent))) == shas[-1]
+
+
+def test_compile_time_is_reported_in_the_step_it_was_spent(toy, model_dir, tmp_path, monkeypatch):
+    """spec.compile's time (here a compile that takes 0.3 s and fails, so chains run eager)
+    is in `compile_s` of the step that paid it, inside its rollout_s, and 0 afterwards (8
+    requests: chains of at most 8 compile)."""
+    import time
+
+    import torch
+
+    from tailtamer.model.drafter import init_drafter, save_drafter
+    from tailtamer.model.io import load_model
+
+    def slow_failure(*_args):
+        time.sleep(0.3)
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(torch, "compile", lambda fn, **_kw: slow_failure)
+    drafter_dir = tmp_path / "drafter"
+    save_drafter(init_drafter(load_model(model_dir), seed=3), drafter_dir)
+    cfg = load_train_config(None, toy + ["run.steps=2", "run.name=compiled", "rollout.group_size=2", "spec.mode=on",
+                                         "spec.compile=true", f"spec.drafter={drafter_dir}", "spec.strategy=2_1_3",
+                                         "spot.single_worker=never"])
+    train(cfg, log=lambda _: None, console=lambda _: None)
+    first, second = _rows(tmp_path / "runs" / "compiled")
+    assert 0.3 <= first["compile_s"] <= first["rollout_s"] and second["compile_s"] == 0.0
 
 
 def test_drafter_window_never_leaves_the_drafter_as_it_was(toy, model_dir, tmp_path):

@@ -54,6 +54,7 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
         "rollout_s": rollout_end - start,
         "rollout_tail_s": max(p["tail_s"] for p in parts),
         "train_s": max(p["train_s"] for p in parts),
+        "compile_s": max(p["compile_s"] for p in parts),  # spec.compile's, inside rollout_s (first steps)
         "step_s": max(p["timeline"][-1][2] for p in parts) - start,
         "sd_tokens_frac": sum(p["sd_tokens"] for p in parts) / max(1, sum(p["tokens"] for p in parts)),
         "accept_len_mean": mean_accept_len(sum((Counter(p["accept_lens"]) for p in parts), Counter())),

@@ -208,7 +208,7 @@ def rl_step(s: RunState) -> dict:
         "correct": correct.tolist(), "rewards": rewards.flatten().tolist(), "lengths": lengths.tolist(),
         "by_function": by_function if len(by_function) > 1 else {},
         "truncated": sum(c.finish_reason == "length" for c in completions), "kept": keep.sum().item(),
-        "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
+        "tokens": summary["tokens"], "compile_s": rollout.setup_s, "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
         "accept_lens": rollout.accept_lens, "tail_s": rollout.tail_seconds(),
         "rollout_end": clock.spans[0][2], "idle_s": max(0.0, last_rollout_end - clock.spans[0][2]),
         "train_s": clock.seconds("old_logprobs", "update"), "drafter": drafter,
