@@ -232,15 +232,14 @@ class EagleProposer(Proposer):
             self._extend(behind, [r.cached - 1 for r in behind])
         return bool(behind)
 
-    def _backlog(self, requests: list, ends: list[int], width: int):
-        """The pairs [drafted, end) of each request, right-padded to `width`: tokens, features,
-        first rows and last real index; marks them drafted."""
+    def _backlog(self, slot_ids: list[int], firsts: list[int], ends: list[int], width: int):
+        """The pairs [first, end) of each slot (`firsts` = its `drafted`), right-padded to
+        `width`: tokens, features, first rows and last real index; marks them drafted."""
         dev = self.features.device
-        slot_ids = [r.slot for r in requests]
-        starts = torch.tensor([self.drafted[s] for s in slot_ids], device=dev)
+        starts = torch.tensor(firsts, device=dev)
         rows = torch.tensor(slot_ids, device=dev)[:, None]
         index = (starts[:, None] + torch.arange(width, device=dev)).clamp(max=self.features.shape[1] - 1)
-        last = torch.tensor([e - self.drafted[s] - 1 for s, e in zip(slot_ids, ends)], device=dev)
+        last = torch.tensor([e - f - 1 for f, e in zip(firsts, ends)], device=dev)
         for s, e in zip(slot_ids, ends):
             self.drafted[s] = e
         return self.next_tokens[rows, index], self.features[rows, index], starts, last
@@ -249,11 +248,12 @@ class EagleProposer(Proposer):
         """The drafter over pairs [drafted, end) of each request, written into its cache;
         returns its logits and features at each request's last pair."""
         slot_ids = [r.slot for r in requests]
-        width = max(e - self.drafted[s] for s, e in zip(slot_ids, ends))
-        span = max(self.drafted[s] for s in slot_ids) + width
+        firsts = [self.drafted[s] for s in slot_ids]
+        width = max(e - f for f, e in zip(firsts, ends))
         slots = slice(0, len(requests)) if slot_ids == list(range(len(requests))) else \
             torch.tensor(slot_ids, device=self.features.device)
-        ids, hidden, starts, last = self._backlog(requests, ends, width)
+        ids, hidden, starts, last = self._backlog(slot_ids, firsts, ends, width)
+        span = max(firsts) + width
         logits, out = self.drafter.decode(ids, hidden, self.cache, slots, starts, span=span)
         batch = torch.arange(len(requests), device=last.device)
         return logits[batch, last], out[batch, last]
@@ -261,18 +261,18 @@ class EagleProposer(Proposer):
     def _compiled_chain(self, running: list, pending: torch.Tensor, depth: int) -> Tree | None:
         """`CompiledChain` where it applies (slots 0..B-1, a compiled bucket, a backlog of at
         most depth + 1 pairs), else None."""
-        B, ends = len(running), [r.cached for r in running]
-        bucket = self.chain.bucket(B, self.cache)
-        firsts = [self.drafted[r.slot] for r in running]
-        if bucket is None or any(r.slot != i for i, r in enumerate(running)) or \
-                max(e - s for s, e in zip(firsts, ends)) > depth + 1:
+        slot_ids, ends = [r.slot for r in running], [r.cached for r in running]
+        bucket = self.chain.bucket(len(running), self.cache)
+        firsts = [self.drafted[s] for s in slot_ids]
+        if bucket is None or slot_ids != list(range(len(running))) or \
+                max(e - f for f, e in zip(firsts, ends)) > depth + 1:
             return None
         span = max(max(firsts) + depth + 1, max(ends) + depth - 1)
-        ids, hidden, starts, last = self._backlog(running, ends, depth + 1)
+        ids, hidden, starts, last = self._backlog(slot_ids, firsts, ends, depth + 1)
         drafts = self.chain(self.cache, ids, hidden, starts, last, depth, span, bucket)
         if drafts is None:  # failed to compile: rewind the backlog for the eager chain
-            for r, first in zip(running, firsts):
-                self.drafted[r.slot] = first
+            for s, first in zip(slot_ids, firsts):
+                self.drafted[s] = first
             return None
         PHASES.mark("sd: draft chain (compiled)")
         return chain_tree(torch.cat((pending[:, None], drafts), 1))
