@@ -23,9 +23,9 @@ from tailtamer.atomic import atomic_write_json
 from tailtamer.config_fields import f
 from tailtamer.device import device_memory
 from tailtamer.errors import ConfigError, DataError, TailtamerError
+from tailtamer.memory import available_memory, size
 from tailtamer.model.drafter import Drafter, init_drafter, save_drafter
 from tailtamer.model.io import load_pretrained
-from tailtamer.memory import available_memory, size
 from tailtamer.model.transformer import Transformer
 from tailtamer.sft import make_batch
 
@@ -46,7 +46,8 @@ class DrafterTrainConfig:
     prob_weight: float = f(0.1, "soft cross-entropy against the target's next-token distribution (0.1)")
     max_len: int = f(512, "tokens per sequence (longer ones are cut)")
     feature_cache_mb: int = f(2048, "the target's hidden states kept for reuse, so each sequence runs through "
-                                    "the target once, not once per step; beyond this the target runs every step")
+                                    "the target once, not once per step (at most half the free memory); beyond "
+                                    "this the target runs every step")
     seed: int = f(0, "data order and initialisation")
 
     def __post_init__(self):
@@ -193,9 +194,10 @@ def _train(target, sequences, cfg, drafter, rng, log):
     device = target.device
     budget = feature_budget(cfg.feature_cache_mb, available_memory(device.type, lambda: device_memory(device)))
     features = target_features(target, sequences, budget)
-    if features is None:
-        log(f"drafter training: the target's features take {size(feature_bytes(target, sequences))}, over the {size(budget)} budget "
-            f"(feature_cache_mb, at most half the free memory): the target runs at every step instead")
+    if features is None and cfg.feature_cache_mb:  # 0: the user turned the cache off
+        log(f"drafter training: the target's features take {size(feature_bytes(target, sequences))}, over the "
+            f"{size(budget)} budget (feature_cache_mb, at most half the free memory): the target runs at every "
+            f"step instead")
     for step in range(cfg.steps):
         # Batches of similar length waste less on padding (lengths are long-tailed).
         pool = sorted(rng.sample(range(len(sequences)), min(len(sequences), cfg.batch_size * 4)),
