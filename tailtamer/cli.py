@@ -207,7 +207,8 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from tailtamer.bench import bench_decode, bench_random_model, bench_rollout, bench_sd, bench_train
+    from tailtamer.bench import bench_decode, bench_random_model, bench_rollout, bench_sd
+    from tailtamer.bench_train import bench_train
 
     if args.preset and args.model:
         raise TailtamerError("give --model or --preset, not both")

@@ -37,6 +37,7 @@ from tailtamer.metrics import RunLog, check_loggers, run_summary
 from tailtamer.model.drafter import load_drafter, weights_checksum
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
+from tailtamer.pace import Pace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
 from tailtamer.rl.batching import (Samples, minibatch_of, needed_width, response_batch, token_budget_chunks,
@@ -526,6 +527,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
             f"{cfg.data.max_prompt_tokens}, or the model's context less one token)")
     t0 = time.perf_counter()
     out, reported = None, set()
+    pace = Pace.from_env()  # `bench train`'s arms take turns step by step; otherwise a no-op
     with StopRequest(log) as stop:
         try:
             evaluates = cfg.run.eval_every and s.eval_rows
@@ -533,11 +535,16 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                 s.eval_at_start = evaluate_greedy(s)
             w.barrier()  # start the first step together, so its timeline compares workers
             out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console) if w.is_main else None
+            if w.is_main:
+                pace.ready()
             while s.step < cfg.run.steps:
+                pace.wait(s.step)
                 try:
                     row = rl_step(s)
                 except StepAborted as e:  # raised before the step changed any weights
                     raise TrainingError(f"{e}; {_save_before_stopping(s)}") from None
+                if w.is_main:
+                    pace.done(s.step)
                 s.step += 1
                 if evaluates and (s.step % cfg.run.eval_every == 0 or s.step == cfg.run.steps):
                     row["eval_accuracy"] = evaluate_greedy(s)
@@ -569,6 +576,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                 if w.any(stop.requested) and s.step < cfg.run.steps:
                     raise Interrupted(f"stopped by Ctrl-C after step {s.step} of {cfg.run.steps}; "
                                       f"{_save_before_stopping(s)}")
+            pace.finish(cfg.run.steps)
         except KeyboardInterrupt:
             raise Interrupted(f"stopped at once by a second Ctrl-C in step {s.step + 1}; {_resume_hint(s)}") from None
         finally:

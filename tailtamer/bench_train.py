@@ -1,0 +1,140 @@
+"""`tailtamer bench train`: the whole RL step of the default job, SD on against SD off.
+
+The two arms run as two `tailtamer train` processes that take turns step by step
+(`tailtamer.pace`): step i of one arm runs alone, then step i of the other, seconds apart, so
+the VM's drift over minutes falls on both. Which arm goes first alternates repeat by repeat.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tailtamer.errors import TailtamerError
+from tailtamer.pace import ENV
+
+ARMS = {"sd": [], "off": ["spec.mode=off"]}
+
+
+def run_paced(jobs: dict[str, list[str]], logs: dict[str, Path], timeout_s: float | None = None) -> None:
+    """Run `tailtamer train ARGS` for every job at once, taking turns step by step; the
+    first job (in order) goes first. A job that fails stops the others; its log's last line
+    is the error. No timeout by default: a long tail may take as long as it takes."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with tempfile.TemporaryDirectory(prefix="tailtamer-pace-") as pace:
+        (Path(pace) / "turn").write_text("0")
+        procs = {}
+        try:
+            for arm, (name, args) in enumerate(jobs.items()):
+                with open(logs[name], "w") as log:
+                    procs[name] = subprocess.Popen([sys.executable, "-m", "tailtamer", "train", *args], stdout=log,
+                                                   stderr=subprocess.STDOUT,
+                                                   env={**os.environ, ENV: f"{pace}:{arm}:{len(jobs)}"})
+            while any(p.poll() is None for p in procs.values()):
+                failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+                if failed:
+                    lines = logs[failed[0]].read_text().strip().splitlines() or ["(no output)"]
+                    raise TailtamerError(f"bench train: the {failed[0]} arm failed ({logs[failed[0]]}): {lines[-1]}")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TailtamerError(f"bench train: the arms took longer than {timeout_s} s")
+                time.sleep(0.2)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+
+
+def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-train",
+                overrides: tuple[str, ...] = ()) -> dict:
+    """The whole RL step of the built-in default job (this machine's default workers, adaptive
+    SD, adaptive drafter) against the same job with SD off (`spec.mode=off`), step by step in
+    turns. Same seeds: SD is lossless, so the two reward curves should agree step for step
+    (float32 verification may round a rare token differently). Speedups: the ratio of the
+    arms' median steps over every step of every repeat, and the median of the per-step ratios
+    (step i off / step i SD, seconds apart)."""
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.trainer import prepare
+
+    def args(name: str, r: int) -> list[str]:
+        return [f"run.steps={steps}", f"run.name={name}-{r}", f"run.out_dir={out_dir}", "run.eval_every=0",
+                "run.save_every=0", *overrides, *ARMS[name]]
+
+    # once, here: the base model's SFT and the drafter's warm-up on a first run (cached), and a
+    # bad --set refused in one line before anything starts
+    for name in ARMS:
+        prepare(load_train_config(None, args(name, 0)), log=lambda _: None)
+    rows: dict[str, list[list[dict]]] = {k: [] for k in ARMS}
+    for r in range(repeats):
+        order = list(ARMS) if r % 2 == 0 else list(ARMS)[::-1]
+        for name in order:
+            shutil.rmtree(Path(out_dir) / f"{name}-{r}", ignore_errors=True)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        run_paced({name: args(name, r) for name in order}, {name: Path(out_dir) / f"{name}-{r}.log" for name in order})
+        for name in ARMS:
+            metrics = Path(out_dir) / f"{name}-{r}" / "metrics.jsonl"
+            rows[name].append([json.loads(line) for line in metrics.read_text().splitlines()])
+    return train_report(rows, steps, repeats, overrides, out_dir)
+
+
+def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> list[float]:
+    """A percentile-bootstrap interval for the median of `values` (Efron & Tibshirani 1993,
+    ch. 13): medians of `resamples` draws with replacement, cut at (1 ± level) / 2. With a
+    few dozen per-step ratios it says whether a difference of a few percent is resolved."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    cut = int((1 - level) / 2 * resamples)
+    return [medians[cut], medians[resamples - 1 - cut]]
+
+
+def train_report(rows: dict[str, list[list[dict]]], steps: int, repeats: int, overrides, out_dir: str) -> dict:
+    def median(name, key):
+        return statistics.median(row.get(key) or 0.0 for run in rows[name] for row in run)  # no drafter: null
+
+    def total(name):
+        return sum(row["step_s"] for run in rows[name] for row in run)
+
+    pairs = [b["step_s"] / a["step_s"] for run_sd, run_off in zip(rows["sd"], rows["off"])
+             for a, b in zip(run_sd, run_off)]
+    sd, off = rows["sd"][0], rows["off"][0]
+    return {
+        "steps": steps, "repeats": repeats, "workers": sd[0]["workers"], "overrides": list(overrides),
+        "step_s_median": {k: round(median(k, "step_s"), 3) for k in ARMS},
+        "rollout_s_median": {k: round(median(k, "rollout_s"), 3) for k in ARMS},
+        "step_speedup": round(median("off", "step_s") / median("sd", "step_s"), 3),
+        "step_speedup_paired": round(statistics.median(pairs), 3),
+        "step_speedup_paired_quartiles": [round(q, 3) for q in statistics.quantiles(pairs, n=4)] if len(pairs) > 1
+        else [],
+        "step_speedup_paired_ci95": [round(x, 3) for x in median_interval(pairs)],
+        "step_speedup_per_repeat": [round(statistics.median(row["step_s"] for row in a)
+                                          / statistics.median(row["step_s"] for row in b), 3)
+                                    for a, b in zip(rows["off"], rows["sd"])],
+        "rollout_speedup": round(median("off", "rollout_s") / median("sd", "rollout_s"), 3),
+        # every step of every repeat summed, the first ones included (what the medians leave
+        # out: a step that compiles); start-up and the drafter's warm-up are in no step
+        "all_steps_s": {k: round(total(k), 2) for k in ARMS},
+        "all_steps_speedup": round(total("off") / total("sd"), 3),
+        "reward_mean": {k: round(statistics.mean(row["reward_mean"] for row in rows[k][0]), 4) for k in ARMS},
+        "steps_with_equal_rewards": sum(a["reward_mean"] == b["reward_mean"] for a, b in zip(sd, off)) / steps,
+        "reward_max_abs_diff": max(abs(a["reward_mean"] - b["reward_mean"]) for a, b in zip(sd, off)),
+        "sd_tokens_frac_median": round(median("sd", "sd_tokens_frac"), 3),
+        "accept_len": [round(row["accept_len_mean"], 3) for row in sd],
+        "accept_len_est_adaptive": [round(row["accept_len_est"], 3) for row in sd
+                                    if row.get("accept_len_est") is not None],
+        "accept_len_est_frozen": [round(row["accept_len_est_frozen"], 3) for row in sd
+                                  if row.get("accept_len_est_frozen") is not None],
+        "idle_worker_s_median": round(median("sd", "idle_worker_s"), 3),
+        "rollout_tail_s_median": {k: round(median(k, "rollout_tail_s"), 3) for k in ARMS},
+        "train_s_median": {k: round(median(k, "train_s"), 3) for k in ARMS},
+        "drafter_train_s_median": round(median("sd", "drafter_train_s"), 3),
+        "drafter_preempt_s_max": max((row.get("drafter_preempt_s") or 0.0) for run in rows["sd"] for row in run),
+        "run_dirs": {k: str(Path(out_dir) / f"{k}-0") for k in ARMS},
+    }

@@ -1,0 +1,74 @@
+"""Runs that take turns step by step, for `tailtamer bench train`.
+
+Two arms of a benchmark run one after the other, whole run after whole run, are seconds to
+minutes apart, and on a shared VM the machine's speed drifts over that much (SD off alone
+took 1.58-2.26 s per step across runs of one day). Run side by side, the arms would compete
+for the cores. Taking turns step by step does neither: arm a runs step i only when the turn
+counter reads i * arms + a, so the same step of every arm runs within seconds, alone.
+
+The benchmark starts each arm as its own `tailtamer train` process with
+TAILTAMER_PACE=DIR:ARM:ARMS in the environment (which its workers inherit); DIR holds the
+counter (`turn`) and a `ready-ARM` file per arm whose set-up is done. Unset, `Pace` does
+nothing, so an ordinary run never waits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+ENV = "TAILTAMER_PACE"
+POLL_S = 0.02  # a turn starts within this of the last one ending; polling costs ~0.3% of a core
+
+
+def turn_of(step: int, arm: int, arms: int) -> int:
+    """The counter value at which `arm` may run `step` (0-based): steps alternate arm by arm."""
+    return step * arms + arm
+
+
+class Pace:
+    def __init__(self, spec: str | None):
+        self.dir = None
+        if spec:
+            where, arm, arms = spec.rsplit(":", 2)
+            self.dir, self.arm, self.arms = Path(where), int(arm), int(arms)
+
+    @classmethod
+    def from_env(cls) -> "Pace":
+        return cls(os.environ.get(ENV))
+
+    def _turn(self) -> int:
+        try:
+            return int((self.dir / "turn").read_text())
+        except (OSError, ValueError):  # mid-replace on some filesystems: read again
+            return -1
+
+    def _wait(self, ok) -> None:
+        while not ok():
+            time.sleep(POLL_S)
+
+    def ready(self) -> None:
+        """This arm's set-up is done (worker 0 says so)."""
+        if self.dir is not None:
+            (self.dir / f"ready-{self.arm}").touch()
+
+    def wait(self, step: int) -> None:
+        """Block until every arm is set up and it is this arm's turn to run `step`."""
+        if self.dir is None:
+            return
+        self._wait(lambda: all((self.dir / f"ready-{a}").exists() for a in range(self.arms)))
+        self._wait(lambda: self._turn() == turn_of(step, self.arm, self.arms))
+
+    def done(self, step: int) -> None:
+        """`step` is over: the next arm's turn (worker 0 says so)."""
+        if self.dir is None:
+            return
+        tmp = self.dir / f".turn-{self.arm}"
+        tmp.write_text(str(turn_of(step, self.arm, self.arms) + 1))
+        os.replace(tmp, self.dir / "turn")
+
+    def finish(self, steps: int) -> None:
+        """Wait for every arm's last step, so no arm's wrapping up (plots) overlaps a step."""
+        if self.dir is not None:
+            self._wait(lambda: self._turn() >= steps * self.arms)

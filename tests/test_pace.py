@@ -1,0 +1,80 @@
+"""Step-interleaved benchmark runs (`tailtamer.pace`, `bench train`): arms take turns step by
+step, an ordinary run never waits, and a failing arm stops the others with its error."""
+
+import json
+import threading
+
+import pytest
+
+import tailtamer.pace as pace_module
+from tailtamer.errors import TailtamerError
+from tailtamer.pace import Pace, turn_of
+
+
+def test_an_unpaced_run_never_waits(monkeypatch):
+    monkeypatch.delenv(pace_module.ENV, raising=False)
+    pace = Pace.from_env()
+    pace.ready()
+    pace.wait(7)  # would block forever if it looked for a turn
+    pace.done(7)
+    pace.finish(10)
+    assert pace.dir is None
+
+
+def test_arms_take_turns_step_by_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(pace_module, "POLL_S", 0.001)
+    (tmp_path / "turn").write_text("0")
+    arms, steps, order, lock = 3, 4, [], threading.Lock()
+
+    def arm(a):
+        pace = Pace(f"{tmp_path}:{a}:{arms}")
+        pace.ready()
+        for step in range(steps):
+            pace.wait(step)
+            with lock:
+                order.append((step, a))
+            pace.done(step)
+        pace.finish(steps)
+        with lock:
+            order.append(("finished", a))
+
+    threads = [threading.Thread(target=arm, args=(a,)) for a in (2, 0, 1)]  # started in any order
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert [turn_of(s, a, arms) for s, a in order[: arms * steps]] == list(range(arms * steps))
+    assert sorted(order[arms * steps:]) == [("finished", a) for a in range(arms)]  # only after every step
+
+
+def test_paced_train_runs_alternate_and_a_failing_arm_stops_the_other(toy, tmp_path):
+    from tailtamer.bench_train import run_paced
+
+    out = tmp_path / "runs"
+    jobs = {name: toy + ["run.steps=3", f"run.name={name}", "run.save_every=0"] for name in ("a", "b")}
+    run_paced(jobs, {name: tmp_path / f"{name}.log" for name in jobs}, timeout_s=300)
+    rows = {name: [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+            for name in jobs}
+    assert [r["step"] for r in rows["a"]] == [r["step"] for r in rows["b"]] == [1, 2, 3]
+    assert [r["reward_mean"] for r in rows["a"]] == [r["reward_mean"] for r in rows["b"]]  # same job, same seeds
+    # the first arm fails at start-up: the second, waiting for its turn, is stopped, and the error is one line
+    jobs = {"bad": toy + ["run.name=bad", "rollout.top_p=2"], "good": toy + ["run.steps=3", "run.name=good"]}
+    with pytest.raises(TailtamerError, match=r"the bad arm failed .*bad\.log\): error: .*top_p"):
+        run_paced(jobs, {name: tmp_path / f"{name}.log" for name in jobs}, timeout_s=300)
+    assert not (out / "good" / "metrics.jsonl").exists() or not (out / "good" / "metrics.jsonl").read_text()
+
+
+def test_median_interval_brackets_the_median_and_narrows_with_more_values():
+    import random
+    import statistics
+
+    from tailtamer.bench_train import median_interval
+
+    rng = random.Random(1)
+    few = [1.0 + rng.gauss(0, 0.08) for _ in range(30)]
+    many = few + [1.0 + rng.gauss(0, 0.08) for _ in range(270)]
+    lo, hi = median_interval(few)
+    assert lo <= statistics.median(few) <= hi
+    lo2, hi2 = median_interval(many)
+    assert lo2 <= statistics.median(many) <= hi2 and hi2 - lo2 < (hi - lo) / 2  # ~1/sqrt(n): 10x the values
+    assert median_interval([1.0] * 5) == [1.0, 1.0]
