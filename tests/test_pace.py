@@ -38,26 +38,38 @@ def test_arms_take_turns_step_by_step(tmp_path, monkeypatch):
         with lock:
             order.append(("finished", a))
 
-    threads = [threading.Thread(target=arm, args=(a,)) for a in (2, 0, 1)]  # started in any order
+    threads = [threading.Thread(target=arm, args=(a,), daemon=True) for a in (2, 0, 1)]  # in any order
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads), order
     assert [turn_of(s, a, arms) for s, a in order[: arms * steps]] == list(range(arms * steps))
     assert sorted(order[arms * steps:]) == [("finished", a) for a in range(arms)]  # only after every step
 
 
-def test_paced_train_runs_alternate_and_a_failing_arm_stops_the_other(toy, tmp_path):
+def test_paced_train_runs_alternate_and_a_failing_arm_stops_the_other(toy, tmp_path, monkeypatch):
+    import contextlib
+
+    import tailtamer.bench_train as bench_train
     from tailtamer.bench_train import run_paced
 
+    pace = tmp_path / "pace"
+    pace.mkdir()
+    monkeypatch.setattr(bench_train.tempfile, "TemporaryDirectory", lambda **_kw: contextlib.nullcontext(str(pace)))
     out = tmp_path / "runs"
     jobs = {name: toy + ["run.steps=3", f"run.name={name}", "run.save_every=0"] for name in ("a", "b")}
     run_paced(jobs, {name: tmp_path / f"{name}.log" for name in jobs}, timeout_s=300)
+    # both arms were set up before the first step, and each of the 6 steps ended its turn in order
+    assert (pace / "turn").read_text() == "6" and (pace / "ready-0").exists() and (pace / "ready-1").exists()
     rows = {name: [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
             for name in jobs}
     assert [r["step"] for r in rows["a"]] == [r["step"] for r in rows["b"]] == [1, 2, 3]
     assert [r["reward_mean"] for r in rows["a"]] == [r["reward_mean"] for r in rows["b"]]  # same job, same seeds
     # the first arm fails at start-up: the second, waiting for its turn, is stopped, and the error is one line
+    (pace / "turn").write_text("0")
+    for ready in pace.glob("ready-*"):
+        ready.unlink()
     jobs = {"bad": toy + ["run.name=bad", "rollout.top_p=2"], "good": toy + ["run.steps=3", "run.name=good"]}
     with pytest.raises(TailtamerError, match=r"the bad arm failed .*bad\.log\): error: .*top_p"):
         run_paced(jobs, {name: tmp_path / f"{name}.log" for name in jobs}, timeout_s=300)

@@ -37,7 +37,7 @@ from tailtamer.metrics import RunLog, check_loggers, run_summary
 from tailtamer.model.drafter import load_drafter, weights_checksum
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
-from tailtamer.pace import Pace
+from tailtamer.pace import ENV as PACE_ENV, Pace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
 from tailtamer.rl.batching import (Samples, minibatch_of, needed_width, response_batch, token_budget_chunks,
@@ -528,6 +528,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
     t0 = time.perf_counter()
     out, reported = None, set()
     pace = Pace.from_env()  # `bench train`'s arms take turns step by step; otherwise a no-op
+    if pace.dir is not None and s.step:
+        raise ConfigError(f"{PACE_ENV}: a paced run starts at step 0 (this one resumes at step {s.step})")
     with StopRequest(log) as stop:
         try:
             evaluates = cfg.run.eval_every and s.eval_rows
@@ -543,8 +545,6 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                     row = rl_step(s)
                 except StepAborted as e:  # raised before the step changed any weights
                     raise TrainingError(f"{e}; {_save_before_stopping(s)}") from None
-                if w.is_main:
-                    pace.done(s.step)
                 s.step += 1
                 if evaluates and (s.step % cfg.run.eval_every == 0 or s.step == cfg.run.steps):
                     row["eval_accuracy"] = evaluate_greedy(s)
@@ -576,6 +576,10 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                 if w.any(stop.requested) and s.step < cfg.run.steps:
                     raise Interrupted(f"stopped by Ctrl-C after step {s.step} of {cfg.run.steps}; "
                                       f"{_save_before_stopping(s)}")
+                if w.is_main and pace.dir is not None:  # the step's writes too are done in its turn
+                    if s.drafter is not None:
+                        s.drafter.wait()
+                    pace.done(s.step - 1)
             pace.finish(cfg.run.steps)
         except KeyboardInterrupt:
             raise Interrupted(f"stopped at once by a second Ctrl-C in step {s.step + 1}; {_resume_hint(s)}") from None
