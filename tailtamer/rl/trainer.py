@@ -209,7 +209,8 @@ def rl_step(s: RunState) -> dict:
         "correct": correct.tolist(), "rewards": rewards.flatten().tolist(), "lengths": lengths.tolist(),
         "by_function": by_function if len(by_function) > 1 else {},
         "truncated": sum(c.finish_reason == "length" for c in completions), "kept": keep.sum().item(),
-        "tokens": summary["tokens"], "compile_s": rollout.setup_s, "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
+        "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
+        "compile_s": rollout.setup_s,
         "accept_lens": rollout.accept_lens, "tail_s": rollout.tail_seconds(),
         "rollout_end": clock.spans[0][2], "idle_s": max(0.0, last_rollout_end - clock.spans[0][2]),
         "train_s": clock.seconds("old_logprobs", "update"), "drafter": drafter,
@@ -528,10 +529,10 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
     t0 = time.perf_counter()
     out, reported = None, set()
     pace = Pace.from_env()  # `bench train`'s arms take turns step by step; otherwise a no-op
-    if pace.dir is not None and s.step:
-        raise ConfigError(f"{PACE_ENV}: a paced run starts at step 0 (this one resumes at step {s.step})")
     with StopRequest(log) as stop:
         try:
+            if pace.dir is not None and s.step:  # inside: `finally` still closes the reward worker
+                raise ConfigError(f"{PACE_ENV}: a paced run starts at step 0 (this one resumes at step {s.step})")
             evaluates = cfg.run.eval_every and s.eval_rows
             if s.step == 0 and evaluates:
                 s.eval_at_start = evaluate_greedy(s)
