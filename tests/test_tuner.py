@@ -64,7 +64,25 @@ def test_a_bucket_where_speculation_loses_falls_back_to_plain():
         arm = tuner.select(8)
         tuner.record(arm, 8, 1.0, 100.0 if arm is None else 60.0)
     assert tuner.select(8) is None
-    assert tuner.summary()["buckets"][1]["best"] == NO_SD
+    assert [c["best"] for c in tuner.summary()["buckets"][1]["classes"]] == [NO_SD]
+
+
+def test_rewards_are_compared_within_a_batch_size_class():
+    """tokens/s grows with the batch size whatever the arm: plain decoding's one pull at 64
+    running must not outscore the SD arm's pulls at 5 running (each 1.5x plain at its own
+    batch size), or the bucket [5, 64] decodes plain at every batch size."""
+    tuner = _tuner()
+    speed = lambda arm, bs: bs * 100.0 * (1.0 if arm is None else 1.5)  # noqa: E731 (tokens/s)
+    picks = []
+    for bs in [64, 64, 64] + [5] * 12:
+        arm = tuner.select(bs)
+        tuner.record(arm, bs, 1.0, speed(arm, bs))
+        picks.append((bs, arm.name if arm else NO_SD))
+    assert [a for bs, a in picks if bs == 5].count(NO_SD) == 1  # its one exploratory pull
+    classes = tuner.summary()["buckets"][1]["classes"]
+    assert [c["batch_sizes"] for c in classes] == [[5, 7], [64, 127]]
+    assert all(c["best"] != NO_SD for c in classes)
+    assert tuner.summary()["buckets"][1]["pulls"][NO_SD] == 2
 
 
 def test_the_window_forgets_old_rewards():
@@ -182,6 +200,6 @@ def test_the_switch_to_sd_is_charged_to_no_arm(monkeypatch):
         _, stats = engine.generate([prompt], SamplingParams(temperature=1.0, n=2, max_new_tokens=60, seed=i))
         catch_up += stats.catch_up_s
     bucket = tuner.summary()["buckets"][0]
-    assert bucket["best"] == "4_1_5", bucket
+    assert [c["best"] for c in bucket["classes"]] == ["4_1_5"], bucket
     assert bucket["pulls"]["4_1_5"] > 3 * bucket["pulls"][NO_SD], bucket
     assert catch_up > 0

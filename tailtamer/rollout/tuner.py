@@ -10,7 +10,13 @@ BEG-MAB (bucketed ε-greedy multi-armed bandit; TLT §2.3, fastrl `eagle_mab.py`
   - within a bucket: with probability ε a uniformly random arm, otherwise the arm with the
     highest median reward over its last `window` pulls (an arm never pulled scores +∞);
     reward r = tokens emitted / step seconds (accepted tokens per second). The median keeps
-    one noisy step from deciding.
+    one noisy step from deciding;
+  - rewards are kept per batch-size class inside a bucket (batch sizes 2^k .. 2^(k+1) − 1),
+    and arms are compared within the class of the step: tokens/s depends on the batch size
+    as much as on the arm, and a bucket spans 3..64 running requests. Compared across the
+    bucket, an arm last pulled at 64 running outscored the others' pulls at 5 running, and
+    won steps it should not: stretches of plain steps that made up 30–40% of some rollouts'
+    tokens in the default RL job (measured 2026-12-04, `tailtamer train` traces).
 Unlike the reference defaults (one strategy per bucket, so nothing is learned; fastrl-code.md
 §3.2), the default groups hold two strategies each plus "no SD".
 """
@@ -43,6 +49,11 @@ def bucket_of(batch_size: int, thresholds: list[int]) -> int:
         if batch_size >= t:
             index = i
     return index
+
+
+def size_class(batch_size: int) -> int:
+    """k for batch sizes 2^k .. 2^(k+1) − 1: steps whose rewards are compared with each other."""
+    return batch_size.bit_length() - 1
 
 
 def median_reward(rewards) -> float:
@@ -89,7 +100,7 @@ class BEGTuner:
     window: int = 30
     seed: int = 0
     groups: list[list[Strategy]] = field(init=False)
-    arms: list[dict[str, _Arm]] = field(init=False)
+    arms: list[dict[int, dict[str, _Arm]]] = field(init=False)  # bucket -> size class -> arm
 
     def __post_init__(self):
         self.groups = group_by_verify(self.strategies)
@@ -100,32 +111,46 @@ class BEGTuner:
             raise ConfigError(f"spec.window must be >= 1, got {self.window}")
         self.rng = random.Random(self.seed)
         self.by_name = {s.name: s for s in self.strategies}
-        self.arms = [{name: _Arm(deque(maxlen=self.window)) for name in [s.name for s in g] + [NO_SD]}
-                     for g in self.groups]
+        self.arms = [{} for _ in self.groups]
+
+    def _arms(self, batch_size: int) -> dict[str, _Arm]:
+        """The arms of batch_size's bucket, with the rewards of its size class."""
+        i = bucket_of(batch_size, self.thresholds)
+        names = [s.name for s in self.groups[i]] + [NO_SD]
+        return self.arms[i].setdefault(size_class(batch_size),
+                                       {name: _Arm(deque(maxlen=self.window)) for name in names})
 
     def select(self, batch_size: int) -> Strategy | None:
-        bucket = self.arms[bucket_of(batch_size, self.thresholds)]
-        names = list(bucket)
-        choice = epsilon_greedy(names, {n: median_reward(a.rewards) for n, a in bucket.items()},
+        arms = self._arms(batch_size)
+        choice = epsilon_greedy(list(arms), {n: median_reward(a.rewards) for n, a in arms.items()},
                                 self.epsilon, self.rng)
         return None if choice == NO_SD else self.by_name[choice]
 
     def record(self, arm: Strategy | None, batch_size: int, seconds: float, tokens: int) -> None:
         if seconds <= 0:
             return
-        entry = self.arms[bucket_of(batch_size, self.thresholds)][NO_SD if arm is None else arm.name]
+        entry = self._arms(batch_size)[NO_SD if arm is None else arm.name]
         entry.rewards.append(tokens / seconds)
         entry.pulls += 1
 
     def summary(self) -> dict:
+        """Per bucket: its batch sizes, pulls per arm, and per size class seen the pulls,
+        the median rewards and the best arm."""
         out = []
-        for i, bucket in enumerate(self.arms):
+        for i, group in enumerate(self.groups):
             lo = self.thresholds[i]
             hi = self.thresholds[i + 1] - 1 if i + 1 < len(self.thresholds) else None
-            medians = {n: median_reward(a.rewards) for n, a in bucket.items() if a.rewards}
-            out.append({"batch_sizes": [lo, hi], "pulls": {n: a.pulls for n, a in bucket.items()},
-                        "median_tokens_per_s": {n: round(m, 1) for n, m in medians.items()},
-                        "best": max(medians, key=medians.get) if medians else None})
+            names = [s.name for s in group] + [NO_SD]
+            classes = []
+            for k, arms in sorted(self.arms[i].items()):
+                medians = {n: median_reward(a.rewards) for n, a in arms.items() if a.rewards}
+                top = 2 ** (k + 1) - 1 if hi is None else min(hi, 2 ** (k + 1) - 1)
+                classes.append({"batch_sizes": [max(lo, 2 ** k), top],
+                                "pulls": {n: a.pulls for n, a in arms.items()},
+                                "median_tokens_per_s": {n: round(m, 1) for n, m in medians.items()},
+                                "best": max(medians, key=medians.get) if medians else None})
+            pulls = {n: sum(c["pulls"][n] for c in classes) for n in names}
+            out.append({"batch_sizes": [lo, hi], "pulls": pulls, "classes": classes})
         return {"tuner": "beg", "buckets": out}
 
 
