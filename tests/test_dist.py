@@ -80,6 +80,9 @@ def test_idle_worker_spot_trains_is_preempted_and_publishes(toy, drafter_dir, tm
         assert 0 <= r["drafter_preempt_s"] < SLOW_S / 4
         spans = {(w, phase) for w, phase, *_ in r["timeline"]}
         assert (0, "spot") in spans and (1, "spot") not in spans
+        # worker 0 scored its rewards in that idle time too, before worker 1's shard was done
+        scored = min(b for w, phase, _, b in r["timeline"] if (w, phase) == (0, "rewards"))
+        assert scored < next(b for w, phase, _, b in r["timeline"] if (w, phase) == (1, "rollout"))
     states = (run / "peer_states.txt").read_text().split()
     assert states[0] in ("IDLE", "TRAINING") and set(states[1:]) == {"TRAINING"}
     # Published: one new drafter per step that both engines run (compared every step, or the

@@ -71,12 +71,11 @@ def reward_items(rows: list[dict], completions: list) -> list[tuple[str, str, di
     return [(c.text, rows[c.prompt_index]["answer"], rows[c.prompt_index].get("context", {})) for c in completions]
 
 
-def score_rewards(s: RunState, items: list[tuple[str, str, dict]]) -> tuple[torch.Tensor, dict]:
-    """This worker's rewards for (response, answer, row context) items (the reward functions'
-    weighted sum, a failed call counting 0), and each function's values by name. If one
-    function failed on every sample of the step on every worker, StepAborted: its zeros
-    teach nothing and a run that trains on them hides the bug."""
-    scored = s.scorer.score_calls(items)
+def checked_rewards(s: RunState, scored: list[list[tuple[float, bool]]]) -> tuple[torch.Tensor, dict]:
+    """This worker's rewards from its scored calls (`RewardScorer.score_calls`: the reward
+    functions' weighted sum, a failed call counting 0), and each function's values by name.
+    If one function failed on every sample of the step on every worker, StepAborted: its
+    zeros teach nothing and a run that trains on them hides the bug."""
     names = s.scorer.names
     failed = [sum(not parts[j][1] for parts in scored) for j in range(len(names))]
     gathered = s.workers.gather((failed, len(scored), s.scorer.failures))
@@ -134,7 +133,12 @@ def rl_step(s: RunState) -> dict:
     clock.mark("rollout")
     w.finish_rollout(s.step)
 
-    # 2. Idle time: until the last shard is done, the drafter scores itself on the newest
+    # 2. This worker's rewards, scored as soon as its shard is done: on a worker that finished
+    #    early that is idle time, so only the last worker's scoring is on the critical path.
+    scored = s.scorer.score_calls(reward_items(batch, completions))
+    clock.mark("rewards")
+
+    # 3. Idle time: until the last shard is done, the drafter scores itself on the newest
     #    responses and trains on the buffer; it checks the store before every drafter step.
     drafter = None
     if s.drafter is not None and w.world > 1 and not w.rollout_over(s.step):
@@ -145,16 +149,16 @@ def rl_step(s: RunState) -> dict:
     last_rollout_end = w.wait_rollout(s.step)
     clock.mark("wait")
 
-    # 3. Rewards (a failing reward scores 0 and is counted; when every one fails the run
-    #    stops here, before the update), with the optional overlong penalty.
-    total, by_function = score_rewards(s, reward_items(batch, completions))
+    # 4. Every worker's reward failures counted together (a failing reward scores 0; when
+    #    every one fails the run stops here, before the update), the optional overlong penalty.
+    total, by_function = checked_rewards(s, scored)
     correct = torch.tensor(next(iter(by_function.values())))  # accuracy: the first function, unweighted
     rewards = total.view(len(batch), roll.group_size).clone()
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float)
     if rl.overlong == "penalty":
         rewards += grpo.overlong_penalty(lengths, roll.max_new_tokens, rl.overlong_buffer).view_as(rewards)
 
-    # 4. Advantages per group (a group never spans workers); dynamic sampling keeps only
+    # 5. Advantages per group (a group never spans workers); dynamic sampling keeps only
     #    groups whose rewards differ, overlong masking only untruncated samples (for the
     #    policy loss: the drafter learns from every response).
     advantages = grpo.ADVANTAGES[rl.advantage](rewards).flatten()
@@ -165,7 +169,7 @@ def rl_step(s: RunState) -> dict:
         keep &= torch.tensor([c.finish_reason != "length" for c in completions], dtype=torch.bool)
     clock.mark("rewards")
 
-    # 5. Old log-probs (and the reference's): one forward, whose hidden states feed the
+    # 6. Old log-probs (and the reference's): one forward, whose hidden states feed the
     #    drafter, for every minibatch but the on-policy first (its update forward gives them).
     #    Workers first re-deal the samples so each holds about as many tokens.
     ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
@@ -180,13 +184,13 @@ def rl_step(s: RunState) -> dict:
     old_logps, ref_logps = old_log_probs(s, samples, plan)
     clock.mark("old_logprobs")
 
-    # 6. Policy update: ppo_epochs passes, one optimizer step per minibatch; gradients are
+    # 7. Policy update: ppo_epochs passes, one optimizer step per minibatch; gradients are
     #    accumulated over its micro-batches and summed over workers (the token weights are
     #    normalised over all workers' samples, so the sum is the minibatch's exact gradient).
     update = update_policy(s, samples, plan, old_logps, ref_logps)
     clock.mark("update")
 
-    # 7. Drafter: with one worker, spot training runs in a window after the update (opt-in);
+    # 8. Drafter: with one worker, spot training runs in a window after the update (opt-in);
     #    the drafters trained on idle workers are averaged into the one every engine runs.
     if s.drafter is not None:
         if w.world == 1 and cfg.spot.single_worker == "window":
@@ -195,14 +199,14 @@ def rl_step(s: RunState) -> dict:
         s.drafter.publish(drafter["steps"] if drafter else 0)
         clock.mark("publish")
 
-    # 8. Weight check: every engine runs the module its worker trained; compare what each
+    # 9. Weight check: every engine runs the module its worker trained; compare what each
     #    will run next with worker 0's, so a stale or diverged copy stops the run.
     drafter_module = s.engine.proposer.drafter if s.engine.proposer is not None else None
     checksums = (weights_checksum(s.model), weights_checksum(drafter_module) if drafter_module is not None else None)
     check_same_weights(w.gather(checksums), s.step)
     clock.mark("check")
 
-    # 9. Metrics: every worker's share, gathered and merged (identically on every worker).
+    # 10. Metrics: every worker's share, gathered and merged (identically on every worker).
     summary = rollout.summary()
     spot_end = clock.spans[-1][2] if drafter is None else next(b for n, _, b in clock.spans if n == "spot")
     mine = {
