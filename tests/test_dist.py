@@ -161,6 +161,31 @@ def test_waiting_for_the_long_tail_has_no_timeout(toy, tmp_path):
     assert summary["steps"] == 2 and all(r["idle_worker_s"] > 3 for r in _rows(tmp_path / "runs" / "tail"))
 
 
+def slow_reward_worker(cfg, resume, seconds):
+    """run_worker, except that worker 1's reward scoring takes `seconds` longer."""
+    from tailtamer.rl.rewards import RewardScorer
+
+    if os.environ["RANK"] == "1":
+        original = RewardScorer.score_calls
+
+        def slow_score_calls(self, items):
+            time.sleep(seconds)
+            return original(self, items)
+
+        RewardScorer.score_calls = slow_score_calls
+    return run_worker(cfg, resume, quiet)
+
+
+def test_waiting_for_a_slow_reward_has_no_timeout(toy, tmp_path):
+    """Each worker scores as soon as its shard is done; the others then wait for the last
+    one's scoring (a slow verifier, say) at a store barrier, not in a collective with
+    run.dist_timeout_s (here 2 s against 4 s of scoring)."""
+    cfg = load_train_config(None, toy + ["run.steps=2", "run.workers=2", "run.name=reward", "run.dist_timeout_s=2",
+                                         "run.eval_every=0"])
+    summary = spawn(2, slow_reward_worker, (cfg, None, 4.0), str(tmp_path / "runs" / "reward"))
+    assert summary["steps"] == 2
+
+
 def kill_worker_1():
     w = Workers.from_env(30)
     if w.rank == 1:

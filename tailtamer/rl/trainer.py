@@ -1,8 +1,9 @@
 """`tailtamer train`: GRPO-family RL with verifiable rewards, on one or more workers.
 
 `rl_step` is the whole algorithm, top to bottom: rollout (each worker a shard of the prompts)
--> spot training of the drafter on workers whose shard is done, preempted when the last one
-finishes -> rewards -> advantages -> old log-probs (one forward that also yields the hidden
+-> its rewards, scored at once -> spot training of the drafter on workers whose shard is done,
+preempted when the last one finishes -> reward failures checked over all workers ->
+advantages -> old log-probs (one forward that also yields the hidden
 states the drafter trains on) -> data-parallel policy update -> drafter publish -> weight
 check -> metrics. Everything around it (setup, evaluation, checkpoints, logging) lives in `train`;
 processes and the c10d store live in tailtamer/dist.py.
@@ -151,6 +152,10 @@ def rl_step(s: RunState) -> dict:
 
     # 4. Every worker's reward failures counted together (a failing reward scores 0; when
     #    every one fails the run stops here, before the update), the optional overlong penalty.
+    #    The last worker may still be scoring: meet at a store barrier first, which has no
+    #    collective timeout (a slow verifier may take longer than run.dist_timeout_s).
+    w.wait_for_all("rewards")
+    clock.mark("wait")
     total, by_function = checked_rewards(s, scored)
     correct = torch.tensor(next(iter(by_function.values())))  # accuracy: the first function, unweighted
     rewards = total.view(len(batch), roll.group_size).clone()

@@ -33,7 +33,7 @@ class SpecConfig:
     strategies: tuple[str, ...] = f(DEFAULT_MAB_STRATEGIES, "beg: the arms (plus 'no SD' in every bucket)")
     bucket_thresholds: tuple[int, ...] = f(DEFAULT_BUCKET_THRESHOLDS, "beg: one per tokens-to-verify group")
     epsilon: float = f(0.1, "beg: exploration probability")
-    window: int = f(30, "beg: rewards kept per arm (median)")
+    window: int = f(30, "beg: rewards kept per arm and batch-size class (median)")
     seed: int = f(0, "beg: exploration randomness (never the sampling randomness)")
     compile: bool = f(False, "EAGLE: draft chains (DEPTH_1_VERIFY) as one torch.compile graph per batch size "
                              "1/2/4/8 and depth, each compiled when first needed (seconds; cached on disk) and "

@@ -115,10 +115,11 @@ class BEGTuner:
 
     def _arms(self, batch_size: int) -> dict[str, _Arm]:
         """The arms of batch_size's bucket, with the rewards of its size class."""
-        i = bucket_of(batch_size, self.thresholds)
-        names = [s.name for s in self.groups[i]] + [NO_SD]
-        return self.arms[i].setdefault(size_class(batch_size),
-                                       {name: _Arm(deque(maxlen=self.window)) for name in names})
+        i, k = bucket_of(batch_size, self.thresholds), size_class(batch_size)
+        if k not in self.arms[i]:
+            names = [s.name for s in self.groups[i]] + [NO_SD]
+            self.arms[i][k] = {name: _Arm(deque(maxlen=self.window)) for name in names}
+        return self.arms[i][k]
 
     def select(self, batch_size: int) -> Strategy | None:
         arms = self._arms(batch_size)
