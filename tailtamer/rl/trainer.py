@@ -147,14 +147,14 @@ def rl_step(s: RunState) -> dict:
         drafter = s.drafter.train_while_idle(lambda: w.rollout_over(s.step))
         clock.mark("spot")
     w.set_state("IDLE")
-    last_rollout_end = w.wait_rollout(s.step)
-    clock.mark("wait")
 
     # 4. Every worker's reward failures counted together (a failing reward scores 0; when
     #    every one fails the run stops here, before the update), the optional overlong penalty.
-    #    The last worker may still be scoring: meet at a store barrier first, which has no
-    #    collective timeout (a slow verifier may take longer than run.dist_timeout_s).
+    #    The last worker may still be rolling out or scoring: meet at a store barrier first,
+    #    which has no collective timeout (a long tail or a slow verifier may take longer than
+    #    run.dist_timeout_s); past it every shard is done, so the rollouts' end is stamped.
     w.wait_for_all("rewards")
+    last_rollout_end = w.wait_rollout(s.step)
     clock.mark("wait")
     total, by_function = checked_rewards(s, scored)
     correct = torch.tensor(next(iter(by_function.values())))  # accuracy: the first function, unweighted
