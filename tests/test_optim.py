@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from tailtamer.rl.optim import lr_factor
 
@@ -31,6 +32,7 @@ def test_a_run_follows_the_schedule_and_the_adamw_settings(toy, tmp_path):
     s = setup(prepare(load_train_config(None, toy + ["rl.adam_beta2=0.95", "rl.adam_eps=1e-6"])))
     group = s.optimizer.param_groups[0]
     assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-6
+    assert group["fused"]  # torch's fused kernel on plain CPU tensors (FSDP2's shards: test_dist)
 
 
 @pytest.mark.parametrize("override, field", [("rl.lr_schedule=exp", "rl.lr_schedule"), ("rl.adam_beta2=1", "rl.adam_beta2"),
@@ -91,3 +93,23 @@ def test_a_resume_takes_changed_optimizer_settings_from_the_config(toy, tmp_path
     group = s.optimizer.param_groups[0]
     assert group["lr"] == pytest.approx(5e-4) and group["betas"] == (0.9, 0.95)
     assert s.optimizer.state  # the moments came back with the checkpoint
+
+
+def test_a_resume_keeps_the_kernel_the_optimizer_was_built_with(toy, tmp_path):
+    """A checkpoint of a fused AdamW (plain tensors) restores into a non-fused one (FSDP2's
+    DTensor shards cannot take the fused kernel): the saved state must not switch it back."""
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.checkpoint import load_checkpoint
+    from tailtamer.rl.trainer import train
+
+    train(load_train_config(None, toy + ["run.steps=1", "run.save_every=1", "run.name=r"]),
+          log=lambda _: None, console=lambda _: None)
+    step = tmp_path / "runs" / "r" / "checkpoints" / "step-000001"
+    assert torch.load(step / "optimizer.pt", weights_only=True)["optimizer"]["param_groups"][0]["fused"]
+    _, optimizer, _, _ = load_checkpoint(step, unfused_adamw)
+    assert not optimizer.param_groups[0]["fused"] and optimizer.state
+
+
+def unfused_adamw(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)

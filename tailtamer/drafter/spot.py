@@ -24,6 +24,7 @@ from tailtamer.drafter.buffer import DataBuffer, pairs
 from tailtamer.drafter.train import eagle_loss, pack
 from tailtamer.errors import ConfigError
 from tailtamer.model.drafter import Drafter, drafter_tensors, write_drafter
+from tailtamer.rl.optim import adamw
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class SpotTrainer:
         self.buffer = buffer
         self.cfg = cfg
         self.rng = random.Random(seed)
-        self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        self.optimizer = adamw(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
         self.steps = 0
         self._writer: threading.Thread | None = None
 

@@ -92,8 +92,9 @@ def load_checkpoint(path: Path, optimizer_factory, dtype="float32", device="cpu"
     model = load_model(path, dtype, device)
     optimizer, scheduler = optimizer_factory(model)
     # The run's config may have changed its optimizer settings (recorded in resumes.jsonl):
-    # the saved state brings back moments and the step, the config the hyperparameters.
-    settings = [{k: g[k] for k in ("betas", "eps", "weight_decay", "initial_lr") if k in g}
+    # the saved state brings back moments and the step, the config the hyperparameters, and
+    # the optimizer as built here its kernel (a fused run's state may resume FSDP2 shards).
+    settings = [{k: g[k] for k in ("betas", "eps", "weight_decay", "initial_lr", "fused", "foreach") if k in g}
                 for g in optimizer.param_groups]
     base_lrs = list(scheduler.base_lrs)
     try:
