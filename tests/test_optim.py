@@ -97,7 +97,7 @@ def test_a_resume_takes_changed_optimizer_settings_from_the_config(toy, tmp_path
 
 def test_a_resume_keeps_the_kernel_the_optimizer_was_built_with(toy, tmp_path):
     """A checkpoint of a fused AdamW (plain tensors) restores into a non-fused one (FSDP2's
-    DTensor shards cannot take the fused kernel): the saved state must not switch it back."""
+    DTensor shards run torch's default kernel): the saved state must not switch it back."""
     from tailtamer.config import load_train_config
     from tailtamer.rl.checkpoint import load_checkpoint
     from tailtamer.rl.trainer import train
