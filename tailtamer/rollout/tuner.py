@@ -100,6 +100,7 @@ class BEGTuner:
     window: int = 30
     seed: int = 0
     groups: list[list[Strategy]] = field(init=False)
+    names: list[list[str]] = field(init=False)  # bucket -> its arms' names, "no SD" last
     arms: list[dict[int, dict[str, _Arm]]] = field(init=False)  # bucket -> size class -> arm
 
     def __post_init__(self):
@@ -111,14 +112,14 @@ class BEGTuner:
             raise ConfigError(f"spec.window must be >= 1, got {self.window}")
         self.rng = random.Random(self.seed)
         self.by_name = {s.name: s for s in self.strategies}
+        self.names = [[s.name for s in g] + [NO_SD] for g in self.groups]
         self.arms = [{} for _ in self.groups]
 
     def _arms(self, batch_size: int) -> dict[str, _Arm]:
         """The arms of batch_size's bucket, with the rewards of its size class."""
         i, k = bucket_of(batch_size, self.thresholds), size_class(batch_size)
         if k not in self.arms[i]:
-            names = [s.name for s in self.groups[i]] + [NO_SD]
-            self.arms[i][k] = {name: _Arm(deque(maxlen=self.window)) for name in names}
+            self.arms[i][k] = {name: _Arm(deque(maxlen=self.window)) for name in self.names[i]}
         return self.arms[i][k]
 
     def select(self, batch_size: int) -> Strategy | None:
@@ -138,10 +139,9 @@ class BEGTuner:
         """Per bucket: its batch sizes, pulls per arm, and per size class seen the pulls,
         the median rewards and the best arm."""
         out = []
-        for i, group in enumerate(self.groups):
+        for i, names in enumerate(self.names):
             lo = self.thresholds[i]
             hi = self.thresholds[i + 1] - 1 if i + 1 < len(self.thresholds) else None
-            names = [s.name for s in group] + [NO_SD]
             classes = []
             for k, arms in sorted(self.arms[i].items()):
                 medians = {n: median_reward(a.rewards) for n, a in arms.items() if a.rewards}
