@@ -157,7 +157,10 @@ class RLConfig:
     kl_estimator: str = f("k3", f"KL estimator: {', '.join(KL_ESTIMATORS)}")
     entropy_coef: float = f(0.0, "entropy bonus coefficient")
     ppo_epochs: int = f(1, "passes over each rollout")
-    minibatches: int = f(2, "optimizer steps per pass (random subsets of the step's samples)")
+    # One optimizer step per rollout is on-policy (π_old is the update's own forward, no second
+    # forward) and is TRL's GRPO default; on the default job it cut the update by 0.14 s a
+    # step and held-out accuracy rose as with 2 (README, "RL training").
+    minibatches: int = f(1, "optimizer steps per pass (random subsets of the step's samples)")
     micro_batch_size: int = f(32, "samples per forward; a minibatch accumulates gradients over its micro-batches")
     micro_batch_tokens: int = f(4096, "padded tokens per forward at most (long samples go fewer to a micro-batch)")
     grad_clip: float = f(1.0, "gradient norm clip")
