@@ -275,7 +275,7 @@ def test_a_compiled_chain_drafts_and_writes_what_the_eager_chain_does(target, tr
     g = torch.Generator().manual_seed(0)
     features = torch.randn(3, 20, target.config.hidden_size, generator=g, dtype=torch.float64)
     tokens = torch.randint(5, 100, (3, 20), generator=g)
-    running = [SimpleNamespace(slot=i, cached=c) for i, c in enumerate((12, 9, 15))]
+    running = [SimpleNamespace(slot=i, cached=c, prompt_index=i) for i, c in enumerate((12, 9, 15))]
     strategy = Strategy.parse("3_1_4")
     out = []
     with torch.inference_mode():
@@ -293,6 +293,37 @@ def test_a_compiled_chain_drafts_and_writes_what_the_eager_chain_does(target, tr
     assert torch.equal(tokens, eager_tokens)
     for a, b in zip(rows, eager_rows):
         torch.testing.assert_close(a, b)
+
+
+def test_siblings_share_their_prompts_drafter_rows_at_the_switch(target, trained_drafter, monkeypatch):
+    """Siblings fresh from one prefill hold the same pairs over their prompt: the catch-up runs
+    the drafter over the first one's backlog only and copies its rows to the others up to where
+    their pairs part, and every slot ends with the rows the drafter computes for it alone."""
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(4, 16, target.config.hidden_size, generator=g, dtype=torch.float64)
+    tokens = torch.randint(5, 100, (4, 16), generator=g)
+    features[1:3, :9], tokens[1:3, :9] = features[0, :9], tokens[0, :9]  # prompt 0's 9 pairs
+    features[1, 4] += 1.0  # slot 1's pairs part from slot 0's at pair 4
+    cached = (10, 10, 14, 12)  # slot 2 took plain steps after its prefill; slot 3 is another prompt
+    rows, widths = [], []
+    decode = trained_drafter.decode
+    monkeypatch.setattr(trained_drafter, "decode", lambda ids, *a, **k: calls.append(tuple(ids.shape)) or
+                        decode(ids, *a, **k))
+    with torch.inference_mode():
+        for prompts in ((0, 0, 0, 1), (0, 1, 2, 3)):  # siblings, and every slot on its own
+            proposer = EagleProposer(trained_drafter)
+            proposer.reserve(4, 32)
+            proposer.observe(slice(0, 4), torch.arange(16).expand(4, 16), features, tokens)
+            calls = []
+            running = [SimpleNamespace(slot=i, cached=c, prompt_index=p) for i, (c, p) in enumerate(zip(cached, prompts))]
+            assert proposer.catch_up(running)
+            assert proposer.drafted[:4] == [c - 1 for c in cached]
+            rows.append([proposer.cache.kv[:, r.slot, : r.cached - 1].clone() for r in running])
+            widths.append(calls)
+    # shared: slot 0 alone (9 pairs), then slot 1 from pair 4, slot 2 from pair 9 and slot 3
+    assert widths == [[(1, 9), (3, 11)], [(4, 13)]]
+    for shared, alone in zip(*rows):
+        torch.testing.assert_close(shared, alone)
 
 
 def test_a_chain_that_fails_to_compile_runs_eager(target, trained_drafter):

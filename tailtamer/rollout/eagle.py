@@ -229,8 +229,36 @@ class EagleProposer(Proposer):
         plain steps and prefills), leaving the SD step only its own extend."""
         behind = [r for r in running if r.cached - self.drafted[r.slot] > 1]
         if behind:
-            self._extend(behind, [r.cached - 1 for r in behind])
+            self._share_siblings(behind)
+            rest = [r for r in behind if r.cached - self.drafted[r.slot] > 1]
+            if rest:
+                self._extend(rest, [r.cached - 1 for r in rest])
         return bool(behind)
+
+    def _share_siblings(self, behind: list) -> None:
+        """Siblings of a prompt that nothing has been drafted for yet hold the same pairs over
+        the prompt (one prefill observed them): the drafter runs over the first sibling's
+        backlog, and each other copies its rows up to where their pairs part, as the engine
+        copies the target's prompt rows. A default job's rollout starts with 8 siblings per
+        prompt, so this is 1/8 of the drafter work at the switch."""
+        groups: dict[int, list] = {}
+        for r in behind:
+            if self.drafted[r.slot] == 0:
+                groups.setdefault(r.prompt_index, []).append(r)
+        leaders, copies = [], []
+        for leader, *siblings in (g for g in groups.values() if len(g) > 1):
+            end = leader.cached - 1
+            rows = torch.tensor([r.slot for r in siblings], device=self.features.device)
+            same = (self.features[rows, :end] == self.features[leader.slot, :end]).all(-1) \
+                & (self.next_tokens[rows, :end] == self.next_tokens[leader.slot, :end])
+            common = same.int().cumprod(1).sum(1).tolist()  # pairs equal from the first on
+            leaders.append(leader)
+            copies += [(leader.slot, r.slot, min(n, r.cached - 1)) for r, n in zip(siblings, common) if n]
+        if leaders:
+            self._extend(leaders, [r.cached - 1 for r in leaders])
+        for src, dst, n in copies:
+            self.cache.copy_slot(src, dst, n)
+            self.drafted[dst] = n
 
     def _backlog(self, slot_ids: list[int], firsts: list[int], ends: list[int], width: int):
         """The pairs [first, end) of each slot (`firsts` = its `drafted`), right-padded to
