@@ -3,9 +3,9 @@
 `rl_step` is the whole algorithm, top to bottom: rollout (each worker a shard of the prompts)
 -> its rewards, scored at once -> spot training of the drafter on workers whose shard is done,
 preempted when the last one finishes -> reward failures checked over all workers ->
-advantages -> old log-probs (one forward that also yields the hidden
-states the drafter trains on) -> data-parallel policy update -> drafter publish -> weight
-check -> metrics. Everything around it (setup, evaluation, checkpoints, logging) lives in `train`;
+advantages -> old log-probs (the on-policy first minibatch's from the update's own forward,
+later minibatches' from one no-grad forward; either forward's hidden states feed the drafter)
+-> data-parallel policy update -> drafter publish -> weight check -> metrics. Everything around it (setup, evaluation, checkpoints, logging) lives in `train`;
 processes and the c10d store live in tailtamer/dist.py.
 
 Choices: each worker's rollout engine runs its own copy of the policy module, and every worker
