@@ -108,12 +108,14 @@ def profile_rl(steps: int = 6, overrides: tuple[str, ...] = (), out_dir: str = "
 
 def profile_update(model_dir, repeats: int = 3) -> dict:
     """The policy update's throughput against the CPU's: one default step's samples (16 prompts
-    x 8 at T=1 from the base model, one worker), timed four ways, in real (prompt + response)
-    tokens per second: the old log-probs and the update as `rl_step` runs them (`old_log_probs`:
-    no-grad forwards for every minibatch but the on-policy first; `update_policy`: micro-batch
-    forwards, loss, backward, AdamW), the same micro-batches' forward+backward alone, one forward+
-    backward of every sample padded to the longest in a single batch, and one forward+backward
-    of as many tokens in dense rows (what this CPU does for that many tokens, no padding)."""
+    x 8 at T=1 from the base model, one worker, rewarded and their GRPO advantages computed),
+    timed five ways, in real (prompt + response) tokens per second: the old log-probs and the
+    update as `rl_step` runs them (`old_log_probs`: no-grad forwards for every minibatch but
+    the on-policy first; `update_policy`: micro-batch forwards, loss, backward, AdamW; samples
+    of advantage 0 in no micro-batch), the same with every sample computed
+    (`rl.skip_zero_advantage=false`), those micro-batches' forward+backward alone, one forward+
+    backward of every sample padded to the longest in a single batch, and one forward+
+    backward of as many tokens in dense rows (what this CPU does for that many tokens)."""
     from types import SimpleNamespace
 
     from tailtamer.config import TrainConfig
@@ -123,22 +125,25 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
     from tailtamer.rl.optim import make_optimizer
     from tailtamer.rl.sharding import Replicated
     from tailtamer.rl.trainer import old_log_probs, update_policy
-    from tailtamer.tasks.arithmetic import ArithmeticTask
+    from tailtamer.tasks.arithmetic import ArithmeticTask, reward
 
     cfg = TrainConfig()
     roll, rl = cfg.rollout, cfg.rl
     model, tokenizer = load_pretrained(model_dir)
-    batch = [{"prompt_ids": tokenizer.encode(p["prompt"])}
-             for p in ArithmeticTask().dataset(roll.prompts_per_step, seed=3)]
+    problems = ArithmeticTask().dataset(roll.prompts_per_step, seed=3)
+    batch = [{"prompt_ids": tokenizer.encode(p["prompt"])} for p in problems]
     params = SamplingParams(temperature=roll.temperature, max_new_tokens=roll.max_new_tokens,
                             n=roll.group_size, seed=11)
     completions, _ = Engine(model, tokenizer).generate([b["prompt_ids"] for b in batch], params)
     ids, mask = response_batch(batch, completions, tokenizer.pad_token_id or 0)
     n = len(completions)
-    advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    rewards = torch.tensor([reward(c.text, problems[c.prompt_index]["answer"]) for c in completions])
+    advantages = grpo.ADVANTAGES[rl.advantage](rewards.view(-1, roll.group_size)).flatten()
     samples = Samples(ids, mask, torch.ones(n, dtype=torch.bool), advantages, torch.arange(n))
-    plan = update_plan(samples, n, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens, roll.max_new_tokens,
-                       grpo.AGGREGATIONS[rl.loss_agg], torch.Generator().manual_seed(0))
+    plans = {skip: update_plan(samples, n, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens,
+                               roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg], torch.Generator().manual_seed(0),
+                               skip_zero_advantage=skip) for skip in (False, True)}
+    plan = plans[False]
     tokens = int(needed_width(mask).sum())
     workers = Workers()
     sharding = Replicated(workers)
@@ -155,8 +160,11 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
 
     micro = [ids[m.rows, : m.width] for minibatch in plan for m in minibatch]
     dense = torch.randint(0, model.config.vocab_size, (tokens // 64, 64))
-    arms = {"old log-probs + update (as rl_step runs them)":
-            lambda: update_policy(state, samples, plan, old_log_probs(state, samples, plan)[0], {}),
+    def update(skip: bool):
+        return update_policy(state, samples, plans[skip], old_log_probs(state, samples, plans[skip])[0], {})
+
+    arms = {"old log-probs + update (as rl_step runs them: samples of advantage 0 skipped)": lambda: update(True),
+            "the same, every sample computed (rl.skip_zero_advantage=false)": lambda: update(False),
             "its micro-batches, forward+backward only": lambda: fwd_bwd(micro),
             "one padded batch, forward+backward": lambda: fwd_bwd([ids]),
             "as many tokens in dense 64-token rows, forward+backward": lambda: fwd_bwd([dense])}
@@ -167,7 +175,9 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
             run()
             times[name].append(time.perf_counter() - t0)
     model.eval()
+    zero = advantages == 0
     return {"samples": n, "tokens": tokens, "padded_width": ids.shape[1],
+            "zero_advantage_samples": int(zero.sum()), "zero_advantage_tokens": int(needed_width(mask[zero]).sum()),
             "micro_batch_padded_tokens": sum(x.numel() for x in micro),
             "micro_batches": len(micro), "optimizer_steps": rl.minibatches,
             "tokens_per_s": {k: round(tokens / statistics.median(v)) for k, v in times.items()},

@@ -117,13 +117,16 @@ class Workers:
         dist.all_gather_object(out, obj)
         return out
 
-    def rebalance(self, samples: Samples, pad_id: int, group_of: Callable[[torch.Tensor], torch.Tensor]) -> Samples:
+    def rebalance(self, samples: Samples, pad_id: int, group_of: Callable[[torch.Tensor], torch.Tensor],
+                  skip_zero_advantage: bool = False) -> Samples:
         """Re-deal the step's samples for the update so every worker gets about as many tokens
         of the policy loss in each minibatch (`balanced_shares_by_group`, the minibatch of a
         sample given by `group_of` its global index): each worker rolled out its own prompts,
         and on long-tailed lengths one of them would otherwise hold the longest responses and
         keep the rest waiting at every gradient all-reduce (verl's balance_batch, per optimizer
-        step). Rows travel trimmed to what they need."""
+        step). A sample no forward computes (dropped by the loss, or of advantage 0 with
+        `skip_zero_advantage`: `batching.computed_mask`) costs nothing. Rows travel trimmed to
+        what they need."""
         if self.world == 1:
             return samples
         s = samples
@@ -133,7 +136,7 @@ class Workers:
                         [s.mask[i, : n - 1].tolist() for i, n in enumerate(needed)],
                         s.keep.tolist(), s.advantages.tolist(), s.index.tolist()))
         rows = [row for part in self.gather(mine) for row in part]
-        costs = [len(r[0]) if r[2] else 0 for r in rows]
+        costs = [len(r[0]) if r[2] and (r[3] != 0 or not skip_zero_advantage) else 0 for r in rows]
         groups = group_of(torch.tensor([r[4] for r in rows])).tolist()
         share = balanced_shares_by_group(costs, groups, self.world)[self.rank]
         width = max([len(rows[i][0]) for i in share] + [2])

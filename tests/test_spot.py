@@ -269,3 +269,37 @@ def test_packing_keeps_every_tensor_on_the_buffers_device():
     follow them (the meta device stands in for one here)."""
     entries = [Entry(0, torch.arange(n, device="meta"), torch.zeros(n, 4, device="meta"), 2) for n in (5, 3)]
     assert {t.device.type for t in pack([pairs(e) for e in entries])} == {"meta"}
+
+
+def test_deferred_responses_get_their_hidden_states_in_idle_time():
+    """Responses no forward of the update computed go into the buffer from one no-grad forward
+    each chunk, before the estimate and the training: their hidden states are the target's
+    own; a stop between chunks leaves the rest deferred, and a newer step's deferral drops
+    what an older one left (counted)."""
+    from tailtamer.dist import Workers
+    from tailtamer.drafter.adaptive import AdaptiveDrafter
+
+    target = random_model()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, target.config.vocab_size, (6, 40), generator=gen)
+    mask = torch.zeros(6, 39, dtype=torch.bool)
+    for i, n in enumerate([5, 30, 12, 8, 20, 3]):
+        mask[i, 4: 4 + n] = True
+    adaptive = AdaptiveDrafter(init_drafter(target, seed=1), SpotConfig(tokens_per_step=40, max_steps=0), Workers(),
+                               seed=0, depth=2, params=T1)
+    adaptive.defer(7, ids, mask)
+    polls = []
+    adaptive.train_while_idle(lambda: polls.append(1) or len(polls) > 2)  # two chunks, then stop
+    first = list(adaptive.buffer.entries)
+    assert 0 < len(first) < 6 and adaptive.pending is not None and len(adaptive.pending[1]) == 6 - len(first)
+    adaptive.train_while_idle(lambda: False)
+    assert adaptive.pending is None and len(adaptive.buffer) == 6 and adaptive.buffer.dropped == 0
+    with torch.no_grad():
+        whole = target.hidden_states(ids)
+    for entry in adaptive.buffer.entries:
+        row = next(i for i in range(6) if torch.equal(ids[i, : len(entry.tokens)], entry.tokens))
+        assert entry.step == 7 and entry.response_start == 5 and entry.response_len == int(mask[row].sum())
+        assert torch.allclose(entry.hidden, whole[row, : len(entry.tokens)], atol=1e-5)
+    adaptive.defer(8, ids[:2], mask[:2])
+    adaptive.defer(9, ids[:3], mask[:3])
+    assert adaptive.buffer.dropped == 2 and adaptive.pending[0] == 9

@@ -394,3 +394,81 @@ def test_logger_tags_group_the_metrics():
         "reward/reward_mean", "reward/eval_accuracy", "reward_fn/long", "rollout/response_len_p50",
         "rollout/accept_len_mean", "drafter/accept_len_est_frozen", "drafter/drafter_loss",
         "drafter/drafter_train_s", "time/rollout_s", "train/loss", "train/lr"]
+
+
+MIXED_REWARD = '''
+def mixed(response, answer):
+    """Prompts answered "same" score 1 whatever the response: their groups have advantage 0;
+    the others score the parity of the response's character codes, about half the samples."""
+    return 1.0 if answer == "same" else float(sum(map(ord, response)) % 2)
+'''
+
+
+def _mixed_job(model_dir, tmp_path, *extra):
+    from conftest import write_jsonl
+
+    data = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": p, "answer": a}
+                                                  for p, a in zip(["ab", "cd", "ef", "gh"], ["same", "x", "same", "x"])])
+    reward = tmp_path / "mixed_reward.py"
+    reward.write_text(MIXED_REWARD)
+    return load_train_config(None, [f"run.model={model_dir}", f"data.train={data}", f"rl.reward={reward}:mixed",
+                                    f"run.out_dir={tmp_path / 'runs'}", "rollout.group_size=8", "rl.lr=1e-2",
+                                    "rollout.max_new_tokens=6", "run.eval_every=0", "rl.warmup=1", "spec.mode=off",
+                                    *extra])
+
+
+def _training_rows(s) -> list[int]:
+    rows = []
+    s.model.register_forward_hook(lambda m, args, _out: rows.append(args[0].shape[0]) if m.training else None)
+    return rows
+
+
+def test_skipping_zero_advantage_samples_leaves_the_gradient_as_it_was(model_dir, tmp_path):
+    """Two of the four prompts score 1 whatever is sampled: their 16 samples have advantage 0,
+    so with rl.skip_zero_advantage no forward computes them, and the step's gradient is the
+    one computed over all 32, for every loss aggregation and both policy losses."""
+    import torch
+
+    from tailtamer.rl.trainer import rl_step, setup
+
+    for extra in (["rl.loss_agg=token-mean"], ["rl.loss_agg=seq-mean-token-mean"],
+                  ["rl.loss_agg=seq-mean-token-sum-norm"], ["rl.policy_loss=gspo"]):
+        grads, computed = [], []
+        for skip in ("false", "true"):
+            s = setup(_mixed_job(model_dir, tmp_path, "rollout.prompts_per_step=4", f"rl.skip_zero_advantage={skip}",
+                                 *extra), log=lambda _: None)
+            rows = _training_rows(s)
+            rl_step(s)
+            grads.append(torch.cat([p.grad.flatten() for p in s.model.parameters()]))
+            computed.append(sum(rows))
+            s.scorer.close()
+        assert computed[0] == 32 and 0 < computed[1] <= 16, extra  # an "x" group may agree by chance too
+        assert grads[0].abs().max() > 1e-4, extra
+        assert torch.allclose(grads[1], grads[0], rtol=1e-5, atol=1e-8), extra
+
+
+def test_a_step_whose_samples_all_have_advantage_0_still_steps_the_optimizer(model_dir, tmp_path):
+    """One prompt per step: a "same" prompt's step computes nothing with skipping, yet AdamW
+    takes its step (a zero gradient still moves the weights by the earlier steps' momentum),
+    so four steps end with the weights they end with without skipping."""
+    import torch
+
+    from tailtamer.rl.trainer import rl_step, setup
+
+    weights, kinds = [], []
+    for skip in ("false", "true"):
+        s = setup(_mixed_job(model_dir, tmp_path, "rollout.prompts_per_step=1", f"rl.skip_zero_advantage={skip}"),
+                  log=lambda _: None)
+        rows = _training_rows(s)
+        steps = []
+        for _ in range(4):
+            before = len(rows)
+            rl_step(s)
+            s.step += 1
+            steps.append(len(rows) > before)
+        kinds.append(steps)
+        weights.append(torch.cat([p.detach().flatten() for p in s.model.parameters()]))
+        s.scorer.close()
+    assert kinds[0] == [True] * 4 and kinds[1].count(False) >= 2
+    assert False in kinds[1][kinds[1].index(True):]  # a skipped step after a computed one
+    assert torch.allclose(weights[1], weights[0], rtol=1e-5, atol=1e-7)

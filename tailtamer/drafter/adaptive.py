@@ -1,15 +1,18 @@
 """The adaptive drafter's part of the RL step (TLT §2.2), in one object.
 
-  observe(step, ids, hidden, mask)   the old-log-prob forward's hidden states go into the
+  observe(step, ids, hidden, mask)   the update forward's hidden states go into the
                                      DataBuffer (no extra forward);
-  train_while_idle(should_stop)      on a worker whose rollout shard is done: first score the
-                                     drafter (and a frozen copy of the warm-up drafter) on the
-                                     newest responses neither has trained on, then spot-train
-                                     until `should_stop()` (checked before every drafter step);
+  defer(step, ids, mask)             responses no forward of the update computes (the policy
+                                     loss skips or drops them) wait for idle time;
+  train_while_idle(should_stop)      on a worker whose rollout shard is done: first the deferred
+                                     responses' hidden states, then score the drafter (and a
+                                     frozen copy of the warm-up drafter) on the newest responses
+                                     neither has trained on, then spot-train until
+                                     `should_stop()` (checked before every forward and step);
   publish(steps)                     average the workers' drafters, weighted by the steps each
                                      took, so every engine drafts with the same one next step.
 Everything else the drafter costs the step is a copy into the buffer and that average: the
-scoring and the training happen in time the rollout leaves idle.
+deferred forwards, the scoring and the training happen in time the rollout leaves idle.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tailtamer.drafter.buffer import DataBuffer
 from tailtamer.drafter.estimate import estimate_accept_length
 from tailtamer.drafter.spot import SpotConfig, SpotTrainer
 from tailtamer.model.drafter import Drafter, save_drafter
+from tailtamer.rl.batching import needed_width, token_budget_chunks
 from tailtamer.rollout.sampling import SamplingParams
 
 
@@ -34,15 +38,46 @@ class AdaptiveDrafter:
         self.trainer = SpotTrainer(drafter, self.buffer, cfg, seed)
         self.frozen = frozen
         self.depth, self.params = depth, params
+        self.pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def observe(self, step: int, ids: torch.Tensor, hidden: torch.Tensor, response_mask: torch.Tensor) -> None:
         self.buffer.add_batch(step, ids, hidden, response_mask)
+
+    def defer(self, step: int, ids: torch.Tensor, response_mask: torch.Tensor) -> None:
+        """Responses (B, T) whose hidden states no forward of the update gave: the next idle
+        time computes them. Only the newest step's wait: responses of an older step still
+        waiting (a worker that was never idle since) are dropped, counted in buffer.dropped."""
+        if self.pending is not None:
+            self.buffer.dropped += len(self.pending[1])
+        self.pending = (step, ids, response_mask) if len(ids) else None
+
+    def _deferred_features(self, should_stop: Callable[[], bool]) -> None:
+        """The deferred responses' hidden states into the buffer: one no-grad forward of the
+        target per chunk of about spot.tokens_per_step tokens (about a drafter step's time, so
+        preemption waits no longer than it does for a step); what a stop leaves stays deferred."""
+        step, ids, mask = self.pending
+        widths = needed_width(mask).tolist()
+        chunks = token_budget_chunks(widths, len(widths), self.cfg.tokens_per_step)
+        target = self.drafter.target
+        for n, chunk in enumerate(chunks):
+            if should_stop():
+                rest = torch.tensor([i for c in chunks[n:] for i in c])
+                self.pending = (step, ids[rest], mask[rest])
+                return
+            width = max(widths[i] for i in chunk)
+            rows = ids[chunk, :width].to(target.device)
+            with torch.no_grad():
+                hidden = target.hidden_states(rows)
+            self.buffer.add_batch(step, rows, hidden, mask[chunk, : width - 1])
+        self.pending = None
 
     def train_while_idle(self, should_stop: Callable[[], bool], deadline: float | None = None) -> dict:
         """Score on the newest buffered step (only if there is time: it is a metric), then
         spot-train. Returns the trainer's report with `accept_est` / `accept_est_frozen` as
         (value, weight) pairs (weight 0: not scored)."""
         report = {"accept_est": (1.0, 0.0), "accept_est_frozen": (1.0, 0.0)}
+        if self.pending is not None:
+            self._deferred_features(should_stop)
         fresh = self.buffer.newest()
         if fresh and not should_stop():
             report["accept_est"] = estimate_accept_length(self.drafter, fresh, self.depth, self.params, budget=1024)

@@ -36,6 +36,22 @@ class MicroBatch:
     weights: torch.Tensor  # (len(rows), width - 1) aggregation weights of their response tokens
 
 
+@dataclass
+class Minibatch:
+    """One optimizer step's micro-batches, and the aggregation weight of the loss tokens that
+    no micro-batch computes (samples whose gradient is exactly zero): they still count in the
+    step's totals (the clip fraction's denominator, whether any token counts at all)."""
+
+    micro: list[MicroBatch]
+    uncomputed_weight: float = 0.0
+
+    def __iter__(self):
+        return iter(self.micro)
+
+    def __len__(self) -> int:
+        return len(self.micro)
+
+
 def needed_width(response_mask: torch.Tensor) -> torch.Tensor:
     """(B,) tokens each sample needs: ids[:, :w] holds its prompt and every counted response
     token (2 for a sample with none, which then costs almost nothing)."""
@@ -92,28 +108,50 @@ def minibatch_of(index: torch.Tensor, n_total: int, minibatches: int, generator:
     return part[index]
 
 
+def computed_mask(samples: Samples, skip_zero_advantage: bool) -> torch.Tensor:
+    """The loss tokens a forward+backward must compute: every one, or with
+    `skip_zero_advantage` none of a sample whose advantage is exactly 0. Its policy-loss
+    gradient is exactly 0 (PPO-clip and GSPO: -min(r·A, clip(r)·A) = 0 for every ratio r), so
+    skipping it changes no gradient, as long as the loss has no term without A (KL, entropy)."""
+    loss_mask = samples.loss_mask
+    return loss_mask & (samples.advantages != 0)[:, None] if skip_zero_advantage else loss_mask
+
+
 def update_plan(samples: Samples, n_total: int, minibatches: int, micro_batch_size: int, micro_batch_tokens: int,
-                max_len: int, aggregation, generator: torch.Generator, total=lambda x: x) -> list[list[MicroBatch]]:
+                max_len: int, aggregation, generator: torch.Generator, total=lambda x: x,
+                skip_zero_advantage: bool = False) -> list[Minibatch]:
     """Random minibatches (one optimizer step each), each cut into `token_budget_chunks`
     micro-batches trimmed to their longest sample.
 
     Always exactly `minibatches` minibatches (some may be empty), so data-parallel workers
-    agree on the number of optimizer steps; `total` sums the aggregation's counts over them."""
+    agree on the number of optimizer steps; `total` sums the aggregation's counts over them.
+    The aggregation weights are those of every loss token; with `skip_zero_advantage` the
+    samples of advantage 0 are in no micro-batch (`computed_mask`), their weight is the
+    minibatch's `uncomputed_weight`, and the gradient is the same."""
     loss_mask = samples.loss_mask
-    needed = needed_width(loss_mask)
+    computed = computed_mask(samples, skip_zero_advantage)
+    needed = needed_width(computed)
     part = minibatch_of(samples.index, n_total, minibatches, generator)
     plan, key = [], 0
     for j in range(minibatches):
         rows = (part == j).nonzero().flatten()
         weights = aggregation(loss_mask[rows], max_len, total)
+        live = computed[rows].any(1)
         micro = []
-        for chunk in token_budget_chunks(needed[rows].tolist(), micro_batch_size, micro_batch_tokens):
-            index = torch.tensor(chunk, dtype=torch.long)
+        for chunk in token_budget_chunks(needed[rows[live]].tolist(), micro_batch_size, micro_batch_tokens):
+            index = live.nonzero().flatten()[chunk]
             width = int(needed[rows[index]].max())
             micro.append(MicroBatch(key, rows[index], width, weights[index, : width - 1]))
             key += 1
-        plan.append(micro)
+        plan.append(Minibatch(micro, float(weights[~live].sum())))
     return plan
+
+
+def uncovered_rows(samples: Samples, skip_zero_advantage: bool) -> torch.Tensor:
+    """Indices of the samples with response tokens that no forward of the update computes (the
+    policy loss drops them: dynamic sampling, overlong masking; or skips them: advantage 0),
+    so no forward of the update gives their hidden states."""
+    return (samples.mask.any(1) & ~computed_mask(samples, skip_zero_advantage).any(1)).nonzero().flatten()
 
 
 def balanced_shares(costs: list[float], workers: int) -> list[list[int]]:

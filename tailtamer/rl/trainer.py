@@ -41,8 +41,7 @@ from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.pace import ENV as PACE_ENV, Pace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
-from tailtamer.rl.batching import (Samples, minibatch_of, needed_width, response_batch, token_budget_chunks,
-                                   update_plan)
+from tailtamer.rl.batching import Samples, minibatch_of, response_batch, uncovered_rows, update_plan
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tailtamer.rl.data import PromptOrder, datasets
 from tailtamer.rl.optim import make_optimizer
@@ -176,16 +175,23 @@ def rl_step(s: RunState) -> dict:
 
     # 6. Old log-probs (and the reference's): one forward, whose hidden states feed the
     #    drafter, for every minibatch but the on-policy first (its update forward gives them).
-    #    Workers first re-deal the samples so each holds about as many tokens.
+    #    Workers first re-deal the samples so each holds about as many tokens to compute: a
+    #    sample of advantage 0 has a policy-loss gradient of exactly 0, so (without KL and
+    #    entropy terms) no forward computes it, and the drafter gets its hidden states from a
+    #    forward in the next idle time, as it does for the samples the loss drops.
     ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
     first = lo * roll.group_size
     n_total = len(prompts) * roll.group_size
     shuffle = lambda: torch.Generator().manual_seed(cfg.run.seed + s.step)  # noqa: E731 (the step's minibatches)
+    skip = rl.skips_zero_advantage
     samples = w.rebalance(Samples(ids, response_mask, keep, advantages, torch.arange(first, first + len(completions))),
                           s.tokenizer.pad_token_id or 0,
-                          lambda index: minibatch_of(index, n_total, rl.minibatches, shuffle()))
+                          lambda index: minibatch_of(index, n_total, rl.minibatches, shuffle()), skip)
     plan = update_plan(samples, n_total, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens,
-                       roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg], shuffle(), w.sum)
+                       roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg], shuffle(), w.sum, skip)
+    if s.drafter is not None:
+        rows = uncovered_rows(samples, skip)
+        s.drafter.defer(s.step, samples.ids[rows], samples.mask[rows])
     old_logps, ref_logps = old_log_probs(s, samples, plan)
     clock.mark("old_logprobs")
 
@@ -234,10 +240,9 @@ def rl_step(s: RunState) -> dict:
 
 def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
     """log π_old of the micro-batches of every minibatch but the first (and log π_ref of all),
-    without gradients; the hidden states go to the adaptive drafter, for every response (the
-    policy loss may drop some). The first minibatch is on-policy: the update's own forward
-    gives its log π_old (`update_policy`), so it costs no forward here (as TRL and verl skip
-    the recomputation when the update is on-policy)."""
+    without gradients; the hidden states go to the adaptive drafter. The first minibatch is
+    on-policy: the update's own forward gives its log π_old (`update_policy`), so it costs no
+    forward here (as TRL and verl skip the recomputation when the update is on-policy)."""
     temperature, dev = s.cfg.rollout.temperature, s.model.device
     ids, loss_mask = samples.ids, samples.loss_mask
     old, ref = {}, {}
@@ -252,15 +257,6 @@ def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
                 old[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
             if s.ref_model is not None:
                 ref[micro.key] = grpo.token_log_probs(s.ref_model(mb_ids)[0][:, :-1], mb_ids[:, 1:], temperature)
-        if s.drafter is not None:
-            dropped = (~samples.keep & samples.mask.any(1)).nonzero().flatten()
-            widths = needed_width(samples.mask[dropped]).tolist()
-            rl = s.cfg.rl
-            for chunk in token_budget_chunks(widths, rl.micro_batch_size, rl.micro_batch_tokens):
-                rows, width = dropped[chunk], max(widths[i] for i in chunk)
-                chunk_ids = ids[rows, :width].to(dev)
-                s.drafter.observe(s.step, chunk_ids, s.model.hidden_states(chunk_ids).to(s.model.dtype),
-                                  samples.mask[rows, : width - 1])
     return old, ref
 
 
@@ -306,6 +302,7 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
                 (loss * s.sharding.loss_scale).backward()
                 totals += torch.stack([loss.detach(), kl.detach(), entropy.detach(),
                                        (clipped * weights).sum().detach(), weights.sum()])
+            totals[4] += minibatch.uncomputed_weight  # skipped tokens: loss 0, never clipped
             for _ in range(extra):  # sharded: match the other workers' forward+backward collectives
                 (policy(torch.zeros(1, 2, dtype=torch.long, device=dev))[0].sum() * 0).backward()
             totals = s.sharding.reduce(params_list, totals)  # every worker now holds the same sums
@@ -314,6 +311,9 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
             if not torch.isfinite(totals[0]):
                 s.bad_steps += 1
                 continue  # skip the update, keep the weights
+            for p in params_list:  # every sample skipped: a zero gradient still moves AdamW's moments
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             norm = torch.nn.utils.clip_grad_norm_(params_list, rl.grad_clip)
             grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
             s.optimizer.step()
