@@ -58,7 +58,8 @@ def samples_markdown(samples: list[dict]) -> str:
 TAG_GROUPS = (
     ("drafter", lambda k: k.startswith(("drafter_", "accept_len_est"))),
     ("time", lambda k: k.endswith("_s")),
-    ("reward", lambda k: k.startswith("reward") or k in ("accuracy", "eval_accuracy", "kept_groups_frac")),
+    ("reward", lambda k: k.startswith("reward")
+     or k in ("accuracy", "eval_accuracy", "kept_groups_frac", "zero_adv_frac")),
     ("rollout", lambda k: k.startswith(("response_len", "accept_len", "sd_tokens")) or k == "truncated_frac"),
     ("train", lambda k: True),
 )

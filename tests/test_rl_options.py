@@ -55,8 +55,10 @@ def test_dynamic_sampling_skips_groups_whose_rewards_agree(no_signal, toy):
     assert all(r["kept_groups_frac"] == 0 and r["loss"] is None for r in rows)  # nothing to learn from
     rows = _run(no_signal + ["run.steps=1"], "nodyn")
     assert rows[0]["kept_groups_frac"] == 1 and rows[0]["loss"] == 0  # kept, with zero advantages
+    assert rows[0]["zero_adv_frac"] == 1
     rows = _run(toy + ["rl.dynamic_sampling=true", "run.steps=2"], "dyn-toy")
     assert all(0 < r["kept_groups_frac"] <= 1 for r in rows)
+    assert all(r["zero_adv_frac"] == pytest.approx(1 - r["kept_groups_frac"]) for r in rows)
 
 
 def test_overlong_mask_drops_truncated_responses_from_the_loss(toy):

@@ -65,6 +65,8 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
         "workers": len(parts),
         **update,
         "kept_groups_frac": sum(p["kept"] for p in parts) / len(lengths),
+        # samples of advantage exactly 0 (groups whose rewards agree): rl.skip_zero_advantage skips them
+        "zero_adv_frac": sum(p["zero_adv"] for p in parts) / len(lengths),
         **failure_counts(failures),
         "reward_failures": failures,
         "weights_sha": checksums[0],

@@ -224,6 +224,7 @@ def rl_step(s: RunState) -> dict:
         "correct": correct.tolist(), "rewards": rewards.flatten().tolist(), "lengths": lengths.tolist(),
         "by_function": by_function if len(by_function) > 1 else {},
         "truncated": sum(c.finish_reason == "length" for c in completions), "kept": keep.sum().item(),
+        "zero_adv": int((advantages == 0).sum()),
         "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
         "compile_s": rollout.setup_s,
         "accept_lens": rollout.accept_lens, "tail_s": rollout.tail_seconds(),
