@@ -302,3 +302,48 @@ def test_fsdp_sharded_policy_trains_and_resumes_like_the_unsharded_one(toy, tmp_
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-7), (step, key)
     with pytest.raises(ConfigError, match="run.shard=fsdp needs at least 2 workers"):
         train(load_train_config(None, toy + ["run.shard=fsdp", "run.workers=1", "run.name=one"]), log=quiet)
+
+
+def test_rebalance_deals_the_computed_samples_and_gives_every_worker_the_uncomputed_ones():
+    """Two workers' samples (the other's through a stubbed gather): each worker gets a share of
+    the samples the update computes, the shares cover each once, and each gets every worker's
+    samples of advantage 0 and dropped samples (for the drafter's idle-time forward), none of
+    which costs either worker anything in the update."""
+    from tailtamer.rl.batching import Samples
+
+    def samples(first: int, lengths: list[int], advantages: list[float], keep: list[bool]) -> Samples:
+        n, width = len(lengths), max(lengths) + 3
+        ids = torch.zeros(n, width, dtype=torch.long)
+        mask = torch.zeros(n, width - 1, dtype=torch.bool)
+        for i, length in enumerate(lengths):
+            ids[i, : length + 2] = torch.arange(1, length + 3) + 100 * (first + i)
+            mask[i, 1: 1 + length] = True
+        return Samples(ids, mask, torch.tensor(keep), torch.tensor(advantages), torch.arange(first, first + n))
+
+    mine = samples(0, [5, 40, 7, 30], [1.0, 0.0, -1.0, 0.0], [True, True, True, True])
+    theirs = samples(4, [50, 6, 9, 12], [0.0, 0.5, -0.5, 2.0], [True, True, True, False])
+    one_minibatch = lambda index: torch.zeros_like(index)  # noqa: E731
+
+    def sent(s: Samples) -> list:  # what a worker puts into the gather
+        w, out = Workers(rank=0, world=2), []
+        w.gather = lambda obj: out.append(obj) or [obj, obj]
+        w.rebalance(s, 0, one_minibatch, True)
+        return out[0]
+
+    both = [sent(mine), sent(theirs)]
+    shares, spare = [], []
+    for rank, s in enumerate((mine, theirs)):
+        w = Workers(rank=rank, world=2)
+        w.gather = lambda obj: both
+        share, uncomputed = w.rebalance(s, 0, one_minibatch, True)
+        shares.append(share.index.tolist())
+        spare.append(sorted(uncomputed.index.tolist()))
+        for part in (share, uncomputed):  # every row arrives whole
+            for i, j in enumerate(part.index.tolist()):
+                length = int(part.mask[i].sum())
+                assert part.ids[i, : length + 2].tolist() == (torch.arange(1, length + 3) + 100 * j).tolist()
+    assert sorted(shares[0] + shares[1]) == list(range(8))
+    assert spare[0] == spare[1] == [1, 3, 4, 7]  # advantage 0 (1, 3, 4) and dropped (7)
+    costs = {0: 7, 2: 9, 5: 8, 6: 11}  # the computed ones, dealt by their rows' widths
+    loads = [sum(costs.get(i, 0) for i in share) for share in shares]
+    assert abs(loads[0] - loads[1]) <= max(costs.values())

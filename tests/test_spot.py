@@ -278,6 +278,7 @@ def test_deferred_responses_get_their_hidden_states_in_idle_time():
     what an older one left (counted)."""
     from tailtamer.dist import Workers
     from tailtamer.drafter.adaptive import AdaptiveDrafter
+    from tailtamer.rl.batching import needed_width, token_budget_chunks
 
     target = random_model()
     gen = torch.Generator().manual_seed(0)
@@ -303,3 +304,16 @@ def test_deferred_responses_get_their_hidden_states_in_idle_time():
     adaptive.defer(8, ids[:2], mask[:2])
     adaptive.defer(9, ids[:3], mask[:3])
     assert adaptive.buffer.dropped == 2 and adaptive.pending[0] == 9
+    # A worker given the same responses as another begins half-way through them.
+    adaptive.defer(10, ids, mask, start=0.5)
+    polls.clear()
+    adaptive.train_while_idle(lambda: polls.append(1) or len(polls) > 1)  # one chunk
+    chunks = token_budget_chunks(needed_width(mask).tolist(), 6, 40)
+    added = [e for e in adaptive.buffer.entries if e.step == 10]
+    assert sorted(len(e.tokens) for e in added) == sorted(int(needed_width(mask[i:i + 1])) for i in
+                                                          chunks[len(chunks) // 2])
+    # One worker's training window bounds the forwards too.
+    adaptive.cfg = SpotConfig(tokens_per_step=40, max_steps=0, window_s=0.0)
+    left = len(adaptive.pending[1])
+    adaptive.train_in_window()
+    assert len(adaptive.pending[1]) == left

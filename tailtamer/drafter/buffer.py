@@ -1,7 +1,8 @@
 """Online DataBuffer: the target's own hidden states and tokens, kept for drafter training.
 
-Entries come from the old-log-prob forward the RL step already runs (no extra forward): one
-per response, holding the sequence's tokens and final hidden states. Drafter pairs follow the
+Entries come from the update's forwards the RL step already runs (no extra forward), and for
+the responses those do not compute from a forward in idle time (`AdaptiveDrafter.defer`):
+one per response, holding the sequence's tokens and final hidden states. Drafter pairs follow the
 EAGLE alignment (see `pairs`): feature h_t with the next token x_{t+1} predicts h_{t+1}.
 
 The buffer is bounded by a byte budget; when a new entry does not fit, the oldest go first
@@ -55,7 +56,7 @@ class DataBuffer:
         self.dtype = dtype
         self.entries: deque[Entry] = deque()
         self.nbytes = 0
-        self.dropped = 0  # entries evicted to stay within the budget
+        self.dropped = 0  # responses lost: evicted to stay within the budget, or deferred and never computed
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -27,6 +27,12 @@ class Samples:
     def loss_mask(self) -> torch.Tensor:
         return self.mask & self.keep[:, None]
 
+    def rows(self, index: torch.Tensor) -> "Samples":
+        """The samples at `index`, trimmed to the columns they need."""
+        width = int(needed_width(self.mask[index]).max()) if len(index) else 2
+        return Samples(self.ids[index, :width], self.mask[index, : width - 1], self.keep[index],
+                       self.advantages[index], self.index[index])
+
 
 @dataclass
 class MicroBatch:
@@ -111,8 +117,9 @@ def minibatch_of(index: torch.Tensor, n_total: int, minibatches: int, generator:
 def computed_mask(samples: Samples, skip_zero_advantage: bool) -> torch.Tensor:
     """The loss tokens a forward+backward must compute: every one, or with
     `skip_zero_advantage` none of a sample whose advantage is exactly 0. Its policy-loss
-    gradient is exactly 0 (PPO-clip and GSPO: -min(r·A, clip(r)·A) = 0 for every ratio r), so
-    skipping it changes no gradient, as long as the loss has no term without A (KL, entropy)."""
+    gradient is exactly 0 (PPO-clip and GSPO: -min(r·A, clip(r)·A) = 0 for every finite
+    ratio r), so skipping it changes no gradient, as long as the loss has no term without A
+    (KL, entropy)."""
     loss_mask = samples.loss_mask
     return loss_mask & (samples.advantages != 0)[:, None] if skip_zero_advantage else loss_mask
 

@@ -65,7 +65,7 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
         "workers": len(parts),
         **update,
         "kept_groups_frac": sum(p["kept"] for p in parts) / len(lengths),
-        # samples of advantage exactly 0 (groups whose rewards agree): rl.skip_zero_advantage skips them
+        # samples of advantage exactly 0 (groups whose rewards agree): the update skips them (no KL/entropy term)
         "zero_adv_frac": sum(p["zero_adv"] for p in parts) / len(lengths),
         **failure_counts(failures),
         "reward_failures": failures,

@@ -41,7 +41,7 @@ from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.pace import ENV as PACE_ENV, Pace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
-from tailtamer.rl.batching import Samples, minibatch_of, response_batch, uncovered_rows, update_plan
+from tailtamer.rl.batching import Samples, minibatch_of, response_batch, update_plan
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tailtamer.rl.data import PromptOrder, datasets
 from tailtamer.rl.optim import make_optimizer
@@ -184,14 +184,14 @@ def rl_step(s: RunState) -> dict:
     n_total = len(prompts) * roll.group_size
     shuffle = lambda: torch.Generator().manual_seed(cfg.run.seed + s.step)  # noqa: E731 (the step's minibatches)
     skip = rl.skips_zero_advantage
-    samples = w.rebalance(Samples(ids, response_mask, keep, advantages, torch.arange(first, first + len(completions))),
-                          s.tokenizer.pad_token_id or 0,
-                          lambda index: minibatch_of(index, n_total, rl.minibatches, shuffle()), skip)
+    samples, uncomputed = w.rebalance(Samples(ids, response_mask, keep, advantages,
+                                              torch.arange(first, first + len(completions))),
+                                      s.tokenizer.pad_token_id or 0,
+                                      lambda index: minibatch_of(index, n_total, rl.minibatches, shuffle()), skip)
     plan = update_plan(samples, n_total, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens,
                        roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg], shuffle(), w.sum, skip)
-    if s.drafter is not None:
-        rows = uncovered_rows(samples, skip)
-        s.drafter.defer(s.step, samples.ids[rows], samples.mask[rows])
+    if s.drafter is not None:  # every worker's, each starting at its own place: only the idle ones get far
+        s.drafter.defer(s.step, uncomputed.ids, uncomputed.mask, start=w.rank / w.world)
     old_logps, ref_logps = old_log_probs(s, samples, plan)
     clock.mark("old_logprobs")
 
@@ -230,7 +230,7 @@ def rl_step(s: RunState) -> dict:
         "accept_lens": rollout.accept_lens, "tail_s": rollout.tail_seconds(),
         "rollout_end": clock.spans[0][2], "idle_s": max(0.0, last_rollout_end - clock.spans[0][2]),
         "train_s": clock.seconds("old_logprobs", "update"), "drafter": drafter,
-        "preempt_s": max(0.0, spot_end - last_rollout_end) if drafter and drafter["steps"] and w.world > 1 else None,
+        "preempt_s": max(0.0, spot_end - last_rollout_end) if drafter and w.world > 1 else None,
         "buffer_dropped": s.drafter.buffer.dropped if s.drafter is not None else 0,
         "reward_failures": s.scorer.failures, "timeline": clock.spans,
         "samples": sample_log(s, batch, completions, rewards, lo) if logs_samples(cfg, s.step + 1) else [],
@@ -252,7 +252,7 @@ def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
             mb_ids = ids[micro.rows, : micro.width].to(dev)
             if i > 0:
                 logits, hidden = s.model(mb_ids)
-                if s.drafter is not None:  # samples the loss keeps whole; the others (trimmed here) below
+                if s.drafter is not None:  # the computed samples; the others are deferred (rl_step)
                     s.drafter.observe(s.step, mb_ids, hidden.to(s.model.dtype),
                                       loss_mask[micro.rows, : micro.width - 1])
                 old[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
@@ -312,9 +312,10 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
             if not torch.isfinite(totals[0]):
                 s.bad_steps += 1
                 continue  # skip the update, keep the weights
-            for p in params_list:  # every sample skipped: a zero gradient still moves AdamW's moments
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            if not len(minibatch) and not extra:  # nothing computed here: a zero gradient still moves AdamW
+                for p in params_list:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
             norm = torch.nn.utils.clip_grad_norm_(params_list, rl.grad_clip)
             grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
             s.optimizer.step()
@@ -459,7 +460,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
         frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
         score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
         adaptive = AdaptiveDrafter(engine.proposer.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
-                                   Strategy.parse(cfg.spec.strategy).depth, score, frozen)
+                                   Strategy.parse(cfg.spec.strategy).depth, score, frozen, dtype)
     order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
                     order, sharding, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
