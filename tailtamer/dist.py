@@ -36,7 +36,7 @@ from tqdm import tqdm
 from tailtamer.device import collective_backend
 from tailtamer.errors import TailtamerError
 from tailtamer.stopping import Interrupted, StopRequest
-from tailtamer.rl.batching import Samples, balanced_shares_by_group, needed_width, uncovered_rows
+from tailtamer.rl.batching import Samples, balanced_shares_by_group, needed_width
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
@@ -118,7 +118,7 @@ class Workers:
         return out
 
     def rebalance(self, samples: Samples, pad_id: int, group_of: Callable[[torch.Tensor], torch.Tensor],
-                  skip_zero_advantage: bool = False) -> tuple[Samples, Samples]:
+                  skip_zero_advantage: bool = False) -> Samples:
         """Re-deal the step's samples for the update so every worker gets about as many tokens
         of the policy loss in each minibatch (`balanced_shares_by_group`, the minibatch of a
         sample given by `group_of` its global index): each worker rolled out its own prompts,
@@ -126,11 +126,9 @@ class Workers:
         keep the rest waiting at every gradient all-reduce (verl's balance_batch, per optimizer
         step). A sample no forward computes (dropped by the loss, or of advantage 0 with
         `skip_zero_advantage`: `batching.computed_mask`) costs nothing. Rows travel trimmed to
-        what they need. Returns this worker's share, and every worker's samples that no forward
-        computes (`batching.uncovered_rows`: each worker may give the drafter their hidden
-        states in its idle time, and which worker will have idle time is not known yet)."""
+        what they need."""
         if self.world == 1:
-            return samples, samples.rows(uncovered_rows(samples, skip_zero_advantage))
+            return samples
         s = samples
         needed = needed_width(s.mask).tolist()
         # Plain lists travel: pickling a tensor per row costs ~0.1 s per step for 64 rows.
@@ -140,19 +138,15 @@ class Workers:
         rows = [row for part in self.gather(mine) for row in part]
         costs = [len(r[0]) if r[2] and (r[3] != 0 or not skip_zero_advantage) else 0 for r in rows]
         groups = group_of(torch.tensor([r[4] for r in rows])).tolist()
-
-        def gathered(chosen: list[int]) -> Samples:
-            width = max([len(rows[i][0]) for i in chosen] + [2])
-            ids = torch.full((len(chosen), width), pad_id, dtype=s.ids.dtype)
-            mask = torch.zeros(len(chosen), width - 1, dtype=torch.bool)
-            for j, i in enumerate(chosen):
-                ids[j, : len(rows[i][0])] = torch.tensor(rows[i][0], dtype=s.ids.dtype)
-                mask[j, : len(rows[i][1])] = torch.tensor(rows[i][1], dtype=torch.bool)
-            column = lambda k, dtype: torch.tensor([rows[i][k] for i in chosen], dtype=dtype)  # noqa: E731
-            return Samples(ids, mask, column(2, torch.bool), column(3, s.advantages.dtype), column(4, torch.long))
-
         share = balanced_shares_by_group(costs, groups, self.world)[self.rank]
-        return gathered(share), gathered([i for i, r in enumerate(rows) if costs[i] == 0 and any(r[1])])
+        width = max([len(rows[i][0]) for i in share] + [2])
+        ids = torch.full((len(share), width), pad_id, dtype=s.ids.dtype)
+        mask = torch.zeros(len(share), width - 1, dtype=torch.bool)
+        for j, i in enumerate(share):
+            ids[j, : len(rows[i][0])] = torch.tensor(rows[i][0], dtype=s.ids.dtype)
+            mask[j, : len(rows[i][1])] = torch.tensor(rows[i][1], dtype=torch.bool)
+        column = lambda k, dtype: torch.tensor([rows[i][k] for i in share], dtype=dtype)  # noqa: E731
+        return Samples(ids, mask, column(2, torch.bool), column(3, s.advantages.dtype), column(4, torch.long))
 
     def share(self, make: Callable[[], object]):
         """Worker 0 computes `make()` (may take long: the base model's SFT), the others wait for

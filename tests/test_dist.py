@@ -35,8 +35,8 @@ def uneven_worker(cfg, resume, kill_at_rollout=None):
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
             timeout=datetime.timedelta(seconds=30)))
 
-        def slow_generate(self, prompts, params, labels=None, first_index=0):
-            out = original(self, prompts, params, labels, first_index)
+        def slow_generate(self, prompts, params, labels=None, first_index=0, keep_hidden=None):
+            out = original(self, prompts, params, labels, first_index, keep_hidden)
             if params.temperature > 0:  # a rollout, not the greedy evaluation
                 rollouts.append(1)
                 time.sleep(SLOW_S / 2)
@@ -70,12 +70,11 @@ def test_idle_worker_spot_trains_is_preempted_and_publishes(toy, drafter_dir, tm
     assert summary["workers"] == 2
     rows = _rows(run)
     assert [r["workers"] for r in rows] == [2] * 4
-    # Worker 0 finishes first every step; from step 1 on (the buffer holds step 0's data) it
-    # trains the drafter while worker 1 generates, and stops soon after worker 1 is done:
-    # long before its step limit (100000 steps would take minutes).
+    # Worker 0 finishes first every step; from step 0 on (its buffer holds the responses its
+    # own rollout just gave) it trains the drafter while worker 1 generates, and stops soon
+    # after worker 1 is done: long before its step limit (100000 steps would take minutes).
     assert all(r["idle_worker_s"] > SLOW_S / 2 for r in rows)
-    assert rows[0]["drafter_steps"] == 0
-    for r in rows[1:]:
+    for r in rows:
         assert r["drafter_steps"] > 0 and r["drafter_loss"] > 0
         assert 0 <= r["drafter_preempt_s"] < SLOW_S / 4
         spans = {(w, phase) for w, phase, *_ in r["timeline"]}
@@ -96,10 +95,9 @@ def test_idle_worker_spot_trains_is_preempted_and_publishes(toy, drafter_dir, tm
     assert weights_checksum(load_drafter(saved / "drafter", load_model(saved))) == shas[-1]
     assert weights_checksum(load_drafter(run / "drafter", load_model(saved))) == shas[-1]  # the async copy
     # In idle time, the adaptive drafter and the frozen warm-up drafter are scored on the
-    # previous step's responses (none at step 0), before the drafter trains on them.
-    assert rows[0]["accept_len_est"] is None
-    assert all(r["accept_len_est_frozen"] >= 1.0 and r["accept_len_est"] >= 1.0 for r in rows[1:])
-    assert rows[1]["accept_len_est"] == rows[1]["accept_len_est_frozen"]  # nothing trained yet
+    # step's newest responses, before the drafter trains on them.
+    assert all(r["accept_len_est_frozen"] >= 1.0 and r["accept_len_est"] >= 1.0 for r in rows)
+    assert rows[0]["accept_len_est"] == rows[0]["accept_len_est_frozen"]  # nothing trained yet
     assert (run / "timeline.png").is_file()
 
 
@@ -304,11 +302,11 @@ def test_fsdp_sharded_policy_trains_and_resumes_like_the_unsharded_one(toy, tmp_
         train(load_train_config(None, toy + ["run.shard=fsdp", "run.workers=1", "run.name=one"]), log=quiet)
 
 
-def test_rebalance_deals_the_computed_samples_and_gives_every_worker_the_uncomputed_ones():
-    """Two workers' samples (the other's through a stubbed gather): each worker gets a share of
-    the samples the update computes, the shares cover each once, and each gets every worker's
-    samples of advantage 0 and dropped samples (for the drafter's idle-time forward), none of
-    which costs either worker anything in the update."""
+
+def test_rebalance_deals_only_what_the_update_computes():
+    """Two workers' samples (the other's through a stubbed gather): the shares hold every
+    sample once, whole, and balance the tokens the update computes; samples of advantage 0
+    and dropped ones cost nothing."""
     from tailtamer.rl.batching import Samples
 
     def samples(first: int, lengths: list[int], advantages: list[float], keep: list[bool]) -> Samples:
@@ -330,20 +328,16 @@ def test_rebalance_deals_the_computed_samples_and_gives_every_worker_the_uncompu
         w.rebalance(s, 0, one_minibatch, True)
         return out[0]
 
-    both = [sent(mine), sent(theirs)]
-    shares, spare = [], []
+    both, shares = [sent(mine), sent(theirs)], []
     for rank, s in enumerate((mine, theirs)):
         w = Workers(rank=rank, world=2)
         w.gather = lambda obj: both
-        share, uncomputed = w.rebalance(s, 0, one_minibatch, True)
+        share = w.rebalance(s, 0, one_minibatch, True)
         shares.append(share.index.tolist())
-        spare.append(sorted(uncomputed.index.tolist()))
-        for part in (share, uncomputed):  # every row arrives whole
-            for i, j in enumerate(part.index.tolist()):
-                length = int(part.mask[i].sum())
-                assert part.ids[i, : length + 2].tolist() == (torch.arange(1, length + 3) + 100 * j).tolist()
+        for i, j in enumerate(share.index.tolist()):  # every row arrives whole
+            length = int(share.mask[i].sum())
+            assert share.ids[i, : length + 2].tolist() == (torch.arange(1, length + 3) + 100 * j).tolist()
     assert sorted(shares[0] + shares[1]) == list(range(8))
-    assert spare[0] == spare[1] == [1, 3, 4, 7]  # advantage 0 (1, 3, 4) and dropped (7)
     costs = {0: 7, 2: 9, 5: 8, 6: 11}  # the computed ones, dealt by their rows' widths
     loads = [sum(costs.get(i, 0) for i in share) for share in shares]
     assert abs(loads[0] - loads[1]) <= max(costs.values())

@@ -338,3 +338,33 @@ def test_a_chain_that_fails_to_compile_runs_eager(target, trained_drafter):
     assert proposer.notice == "spec.compile: compiling the draft chains failed (RuntimeError: no C++ compiler " \
                               "found); they run eager"
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain] and stats.sd_steps > 0
+
+
+@pytest.mark.parametrize("strategy", ["4_1_5", "4_2_8"])
+def test_finished_requests_hand_over_the_targets_hidden_states(target, trained_drafter, strategy):
+    """What the adaptive drafter learns from comes from the rollout's own forwards: as each
+    request finishes, its tokens up to the last one consumed and the hidden states the engine
+    observed over its prefill, plain steps (more than 3 running) and SD steps (tree or chain,
+    accepted paths only), with slots compacted as requests finish and new ones admitted,
+    equal one full forward of the target over those tokens."""
+    from tailtamer.rollout.tuner import FixedTuner
+
+    kept = []
+    speculator = Speculator(EagleProposer(trained_drafter), FixedTuner(Strategy.parse(strategy)), bs_threshold=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, n=2, seed=4)
+    prompts = _prompts(5, seed=2)
+    outs, stats = Engine(target, config=EngineConfig(max_batch_size=6), speculator=speculator).generate(
+        prompts, params, keep_hidden=lambda tokens, start, hidden: kept.append((tokens, start, hidden.clone())))
+    assert stats.sd_seconds > 0 and stats.plain_seconds > 0 and len(kept) == len(outs)
+    whole_sequences = [prompts[c.prompt_index] + c.token_ids for c in outs]
+    cut = 0
+    for tokens, start, hidden in kept:
+        # every token but the last (which no forward consumed), or all of them when an SD step
+        # accepted a draft past where the request ended
+        full = next(seq for seq in whole_sequences if seq[: len(tokens)] == tokens and len(seq) - len(tokens) <= 1)
+        cut += len(full) - len(tokens)
+        assert start == len(next(p for p in prompts if full[: len(p)] == p))
+        with torch.no_grad():
+            whole = target.hidden_states(torch.tensor([tokens]))[0]
+        assert torch.allclose(hidden, whole, rtol=0, atol=1e-9)
+    assert cut >= len(kept) // 2

@@ -271,49 +271,20 @@ def test_packing_keeps_every_tensor_on_the_buffers_device():
     assert {t.device.type for t in pack([pairs(e) for e in entries])} == {"meta"}
 
 
-def test_deferred_responses_get_their_hidden_states_in_idle_time():
-    """Responses no forward of the update computed go into the buffer from one no-grad forward
-    each chunk, before the estimate and the training: their hidden states are the target's
-    own; a stop between chunks leaves the rest deferred, and a newer step's deferral drops
-    what an older one left (counted)."""
-    from tailtamer.dist import Workers
-    from tailtamer.drafter.adaptive import AdaptiveDrafter
-    from tailtamer.rl.batching import needed_width, token_budget_chunks
 
-    target = random_model()
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, target.config.vocab_size, (6, 40), generator=gen)
-    mask = torch.zeros(6, 39, dtype=torch.bool)
-    for i, n in enumerate([5, 30, 12, 8, 20, 3]):
-        mask[i, 4: 4 + n] = True
-    adaptive = AdaptiveDrafter(init_drafter(target, seed=1), SpotConfig(tokens_per_step=40, max_steps=0), Workers(),
-                               seed=0, depth=2, params=T1)
-    adaptive.defer(7, ids, mask)
-    polls = []
-    adaptive.train_while_idle(lambda: polls.append(1) or len(polls) > 2)  # two chunks, then stop
-    first = list(adaptive.buffer.entries)
-    assert 0 < len(first) < 6 and adaptive.pending is not None and len(adaptive.pending[1]) == 6 - len(first)
-    adaptive.train_while_idle(lambda: False)
-    assert adaptive.pending is None and len(adaptive.buffer) == 6 and adaptive.buffer.dropped == 0
-    with torch.no_grad():
-        whole = target.hidden_states(ids)
-    for entry in adaptive.buffer.entries:
-        row = next(i for i in range(6) if torch.equal(ids[i, : len(entry.tokens)], entry.tokens))
-        assert entry.step == 7 and entry.response_start == 5 and entry.response_len == int(mask[row].sum())
-        assert torch.allclose(entry.hidden, whole[row, : len(entry.tokens)], atol=1e-5)
-    adaptive.defer(8, ids[:2], mask[:2])
-    adaptive.defer(9, ids[:3], mask[:3])
-    assert adaptive.buffer.dropped == 2 and adaptive.pending[0] == 9
-    # A worker given the same responses as another begins half-way through them.
-    adaptive.defer(10, ids, mask, start=0.5)
-    polls.clear()
-    adaptive.train_while_idle(lambda: polls.append(1) or len(polls) > 1)  # one chunk
-    chunks = token_budget_chunks(needed_width(mask).tolist(), 6, 40)
-    added = [e for e in adaptive.buffer.entries if e.step == 10]
-    assert sorted(len(e.tokens) for e in added) == sorted(int(needed_width(mask[i:i + 1])) for i in
-                                                          chunks[len(chunks) // 2])
-    # One worker's training window bounds the forwards too.
-    adaptive.cfg = SpotConfig(tokens_per_step=40, max_steps=0, window_s=0.0)
-    left = len(adaptive.pending[1])
-    adaptive.train_in_window()
-    assert len(adaptive.pending[1]) == left
+def test_a_rollout_response_enters_the_buffer_with_its_pairs_aligned():
+    """`add_response` (what the engine hands over as a request finishes): tokens as far as a
+    forward consumed them and their hidden states; the pairs start at the prompt's last
+    position, and a response with no consumed token gives no entry."""
+    buf = DataBuffer(1 << 20)
+    prompt, response = [5, 6, 7], [8, 9, 10]
+    hidden = _position_hidden(6)
+    assert buf.add_response(2, prompt + response, len(prompt), hidden)
+    assert not buf.add_response(2, prompt, len(prompt), _position_hidden(3))  # the first token was EOS
+    (entry,) = buf.entries
+    tokens_in, h_in, h_target, mask = pairs(entry)
+    assert entry.step == 2 and entry.response_len == 3
+    assert tokens_in[mask].tolist() == response and h_in[mask, 0].tolist() == [2, 3, 4]
+    assert h_target[mask, 0].tolist() == [3, 4, 5]
+    hidden[:] = -1  # the engine reuses its buffer: the entry holds a copy
+    assert entry.hidden[0, 0] == 0

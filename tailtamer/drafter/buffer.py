@@ -1,9 +1,9 @@
 """Online DataBuffer: the target's own hidden states and tokens, kept for drafter training.
 
-Entries come from the update's forwards the RL step already runs (no extra forward), and for
-the responses those do not compute from a forward in idle time (`AdaptiveDrafter.defer`):
-one per response, holding the sequence's tokens and final hidden states. Drafter pairs follow the
-EAGLE alignment (see `pairs`): feature h_t with the next token x_{t+1} predicts h_{t+1}.
+Entries come from the rollout's own forwards (no extra forward): one per response, holding
+the sequence's tokens and the final hidden states the engine observed for them. Drafter
+pairs follow the EAGLE alignment (see `pairs`): feature h_t with the next token x_{t+1}
+predicts h_{t+1}.
 
 The buffer is bounded by a byte budget; when a new entry does not fit, the oldest go first
 and are counted. Sampling is one-step-offset (TLT §2.2): a draw mixes the newest step's
@@ -56,7 +56,7 @@ class DataBuffer:
         self.dtype = dtype
         self.entries: deque[Entry] = deque()
         self.nbytes = 0
-        self.dropped = 0  # responses lost: evicted to stay within the budget, or deferred and never computed
+        self.dropped = 0  # entries evicted to stay within the budget
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -74,6 +74,16 @@ class DataBuffer:
             self.add(Entry(step, ids[b, :end].clone(), hidden[b, :end].detach().to(self.dtype).clone(), start))
             added += 1
         return added
+
+    def add_response(self, step: int, tokens: list[int], response_start: int, hidden: torch.Tensor) -> bool:
+        """Add one response from the rollout: its tokens as far as a forward consumed them and
+        their hidden states (L, H), copied (the engine's are reused). False when it has no
+        training pair (fewer than two response tokens were consumed)."""
+        if len(tokens) <= response_start:
+            return False
+        ids = torch.tensor(tokens, dtype=torch.long, device=hidden.device)
+        self.add(Entry(step, ids, hidden.detach().to(self.dtype, copy=True), response_start))
+        return True
 
     def add(self, entry: Entry) -> None:
         if entry.nbytes > self.max_bytes:

@@ -27,12 +27,6 @@ class Samples:
     def loss_mask(self) -> torch.Tensor:
         return self.mask & self.keep[:, None]
 
-    def rows(self, index: torch.Tensor) -> "Samples":
-        """The samples at `index`, trimmed to the columns they need."""
-        width = int(needed_width(self.mask[index]).max()) if len(index) else 2
-        return Samples(self.ids[index, :width], self.mask[index, : width - 1], self.keep[index],
-                       self.advantages[index], self.index[index])
-
 
 @dataclass
 class MicroBatch:
@@ -152,13 +146,6 @@ def update_plan(samples: Samples, n_total: int, minibatches: int, micro_batch_si
             key += 1
         plan.append(Minibatch(micro, float(weights[~live].sum())))
     return plan
-
-
-def uncovered_rows(samples: Samples, skip_zero_advantage: bool) -> torch.Tensor:
-    """Indices of the samples with response tokens that no forward of the update computes (the
-    policy loss drops them: dynamic sampling, overlong masking; or skips them: advantage 0),
-    so no forward of the update gives their hidden states."""
-    return (samples.mask.any(1) & ~computed_mask(samples, skip_zero_advantage).any(1)).nonzero().flatten()
 
 
 def balanced_shares(costs: list[float], workers: int) -> list[list[int]]:

@@ -1,12 +1,13 @@
 """`tailtamer train`: GRPO-family RL with verifiable rewards, on one or more workers.
 
-`rl_step` is the whole algorithm, top to bottom: rollout (each worker a shard of the prompts)
--> its rewards, scored at once -> spot training of the drafter on workers whose shard is done,
-preempted when the last one finishes -> reward failures checked over all workers ->
-advantages -> old log-probs (the on-policy first minibatch's from the update's own forward,
-later minibatches' from one no-grad forward; either forward's hidden states feed the drafter)
--> data-parallel policy update -> drafter publish -> weight check -> metrics. Everything around it (setup, evaluation, checkpoints, logging) lives in `train`;
-processes and the c10d store live in tailtamer/dist.py.
+`rl_step` is the whole algorithm, top to bottom: rollout (each worker a shard of the prompts;
+its forwards' hidden states feed the drafter) -> its rewards, scored at once -> spot training
+of the drafter on workers whose shard is done, preempted when the last one finishes -> reward
+failures checked over all workers -> advantages -> old log-probs (the on-policy first
+minibatch's from the update's own forward, later minibatches' from one no-grad forward) ->
+data-parallel policy update (samples of advantage 0 skipped: their gradient is 0) -> drafter
+publish -> weight check -> metrics. Everything around it (setup, evaluation, checkpoints,
+logging) lives in `train`; processes and the c10d store live in tailtamer/dist.py.
 
 Choices: each worker's rollout engine runs its own copy of the policy module, and every worker
 applies the same summed gradient, so "weight sync" is a checksum of what every engine will run
@@ -129,7 +130,9 @@ def rl_step(s: RunState) -> dict:
                             n=roll.group_size, seed=cfg.run.seed * 1_000_003 + s.step)
     s.model.eval()
     w.set_state("BUSY")
-    completions, rollout = s.engine.generate([row["prompt_ids"] for row in batch], params, first_index=lo)
+    keep_hidden = s.drafter.collector(s.step) if s.drafter is not None else None  # the drafter's data
+    completions, rollout = s.engine.generate([row["prompt_ids"] for row in batch], params, first_index=lo,
+                                             keep_hidden=keep_hidden)
     clock.mark("rollout")
     w.finish_rollout(s.step)
 
@@ -173,25 +176,20 @@ def rl_step(s: RunState) -> dict:
         keep &= torch.tensor([c.finish_reason != "length" for c in completions], dtype=torch.bool)
     clock.mark("rewards")
 
-    # 6. Old log-probs (and the reference's): one forward, whose hidden states feed the
-    #    drafter, for every minibatch but the on-policy first (its update forward gives them).
-    #    Workers first re-deal the samples so each holds about as many tokens to compute: a
-    #    sample of advantage 0 has a policy-loss gradient of exactly 0, so (without KL and
-    #    entropy terms) no forward computes it, and the drafter gets its hidden states from a
-    #    forward in the next idle time, as it does for the samples the loss drops.
+    # 6. Old log-probs (and the reference's): a no-grad forward for every minibatch but the
+    #    on-policy first (its update forward gives them). Workers first re-deal the samples so
+    #    each holds about as many tokens to compute: a sample of advantage 0 has a policy-loss
+    #    gradient of exactly 0, so (without KL and entropy terms) no forward computes it.
     ids, response_mask = response_batch(batch, completions, s.tokenizer.pad_token_id or 0)
     first = lo * roll.group_size
     n_total = len(prompts) * roll.group_size
     shuffle = lambda: torch.Generator().manual_seed(cfg.run.seed + s.step)  # noqa: E731 (the step's minibatches)
     skip = rl.skips_zero_advantage
-    samples, uncomputed = w.rebalance(Samples(ids, response_mask, keep, advantages,
-                                              torch.arange(first, first + len(completions))),
-                                      s.tokenizer.pad_token_id or 0,
-                                      lambda index: minibatch_of(index, n_total, rl.minibatches, shuffle()), skip)
+    samples = w.rebalance(Samples(ids, response_mask, keep, advantages, torch.arange(first, first + len(completions))),
+                          s.tokenizer.pad_token_id or 0,
+                          lambda index: minibatch_of(index, n_total, rl.minibatches, shuffle()), skip)
     plan = update_plan(samples, n_total, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens,
                        roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg], shuffle(), w.sum, skip)
-    if s.drafter is not None:  # every worker's, each starting at its own place: only the idle ones get far
-        s.drafter.defer(s.step, uncomputed.ids, uncomputed.mask, start=w.rank / w.world)
     old_logps, ref_logps = old_log_probs(s, samples, plan)
     clock.mark("old_logprobs")
 
@@ -241,20 +239,17 @@ def rl_step(s: RunState) -> dict:
 
 def old_log_probs(s: RunState, samples: Samples, plan) -> tuple[dict, dict]:
     """log π_old of the micro-batches of every minibatch but the first (and log π_ref of all),
-    without gradients; the hidden states go to the adaptive drafter. The first minibatch is
-    on-policy: the update's own forward gives its log π_old (`update_policy`), so it costs no
-    forward here (as TRL and verl skip the recomputation when the update is on-policy)."""
+    without gradients. The first minibatch is on-policy: the update's own forward gives its
+    log π_old (`update_policy`), so it costs no forward here (as TRL and verl skip the
+    recomputation when the update is on-policy)."""
     temperature, dev = s.cfg.rollout.temperature, s.model.device
-    ids, loss_mask = samples.ids, samples.loss_mask
+    ids = samples.ids
     old, ref = {}, {}
     with torch.no_grad(), autocast(dev, s.dtype):
         for i, micro in ((i, m) for i, minibatch in enumerate(plan) for m in minibatch):
             mb_ids = ids[micro.rows, : micro.width].to(dev)
             if i > 0:
-                logits, hidden = s.model(mb_ids)
-                if s.drafter is not None:  # the computed samples; the others are deferred (rl_step)
-                    s.drafter.observe(s.step, mb_ids, hidden.to(s.model.dtype),
-                                      loss_mask[micro.rows, : micro.width - 1])
+                logits, _ = s.model(mb_ids)
                 old[micro.key] = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
             if s.ref_model is not None:
                 ref[micro.key] = grpo.token_log_probs(s.ref_model(mb_ids)[0][:, :-1], mb_ids[:, 1:], temperature)
@@ -266,7 +261,7 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
     clip-higher, optional KL and entropy terms); returns the step's update statistics.
     Micro-batches without an entry in `old_logps` run before any optimizer step (the first
     minibatch), so their π_old is the forward's own log π, detached (the ratio is exactly 1);
-    it is kept for later epochs, and their hidden states go to the drafter."""
+    it is kept for later epochs."""
     rl, temperature, dev = s.cfg.rl, s.cfg.rollout.temperature, s.model.device
     loss_mask = samples.loss_mask  # a property over every sample: computed once, not per micro-batch
     policy = s.sharding.policy  # the engine's module, or its shards (run.shard=fsdp)
@@ -282,13 +277,11 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
                 mb_ids = samples.ids[micro.rows, : micro.width].to(dev)
                 weights = micro.weights.to(dev)
                 with autocast(dev, s.dtype):  # log-probs (grpo.token_log_probs) are float32 whatever the dtype
-                    logits, hidden = policy(mb_ids)
+                    logits, _ = policy(mb_ids)
                 logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
                 mb_mask = loss_mask[micro.rows, : micro.width - 1]
                 if micro.key not in old_logps:  # the on-policy first minibatch: π_old is this forward's π
                     old_logps[micro.key] = logp.detach()
-                    if s.drafter is not None:
-                        s.drafter.observe(s.step, mb_ids, hidden.detach().to(s.model.dtype), mb_mask)
                 per_token, clipped = grpo.POLICY_LOSSES[rl.policy_loss](
                     logp, old_logps[micro.key], samples.advantages[micro.rows].to(dev),
                     mb_mask.to(dev), rl.clip_low, rl.clip_high)
@@ -460,7 +453,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
         frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
         score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
         adaptive = AdaptiveDrafter(engine.proposer.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
-                                   Strategy.parse(cfg.spec.strategy).depth, score, frozen, dtype)
+                                   Strategy.parse(cfg.spec.strategy).depth, score, frozen)
     order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
                     order, sharding, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,

@@ -218,6 +218,9 @@ class EagleProposer(Proposer):
         self.features[rows, positions] = hidden.to(self.features.dtype)
         self.next_tokens[rows, positions] = next_tokens
 
+    def hidden_of(self, slot: int, rows: int) -> torch.Tensor:
+        return self.features[slot, :rows]
+
     def move_slot(self, src: int, dst: int, rows: int) -> None:
         self.cache.copy_slot(src, dst, self.drafted[src])
         self.features[dst, :rows] = self.features[src, :rows]

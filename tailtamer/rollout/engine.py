@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -131,8 +132,14 @@ class Engine:
         return requests
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 labels: list[str] | None = None, first_index: int = 0) -> tuple[list[Completion], RolloutStats]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, labels: list[str] | None = None,
+                 first_index: int = 0, keep_hidden: Callable[[list[int], int, torch.Tensor], None] | None = None
+                 ) -> tuple[list[Completion], RolloutStats]:
+        """`keep_hidden(tokens, response_start, hidden)`, with a proposer that observes the
+        target's hidden states: called as each request finishes, with its tokens up to the
+        last one a forward consumed and their final hidden states (a view of the proposer's,
+        valid until the call returns), so the adaptive drafter learns from the rollout's own
+        forwards (no extra one)."""
         if not prompts:
             raise DataError("no prompts to generate from")
         requests = self.make_requests(prompts, params, labels, first_index)
@@ -192,6 +199,10 @@ class Engine:
             finished = [r for r in running if r.finish_reason]
             if finished:
                 done += finished
+                if keep_hidden is not None and self.proposer is not None and self.proposer.needs_hidden:
+                    for r in finished:
+                        keep_hidden((r.prompt_ids + r.output_ids)[: r.cached], len(r.prompt_ids),
+                                    self.proposer.hidden_of(r.slot, r.cached))
                 running = self._compact(running, cache)
         stats.seconds = time.perf_counter() - start - stats.setup_s
         stats.tokens = sum(len(r.output_ids) for r in done)
@@ -338,7 +349,8 @@ class Engine:
                     break
             stats.record_sd(len(r.output_ids) - before, d)
             emitted += len(r.output_ids) - before
-            if r.finish_reason:
+            if r.finish_reason:  # what the verify consumed of its output still counts (`keep_hidden`)
+                r.cached += min(len(r.output_ids) - before + 1, n)
                 continue
             if nodes[:n] != list(range(n)):  # a tree's path: move its rows to consecutive positions
                 moves.append((r.slot, [r.cached + i for i in nodes[:n]], [r.cached + j for j in range(n)]))

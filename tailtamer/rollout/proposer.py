@@ -10,6 +10,8 @@ The engine calls, in this order:
                             step, SD step): the target's final hidden state at each committed
                             position and the token that follows it (only if `needs_hidden`);
   move_slot(src, dst, rows) when compaction moves a running request to a lower slot;
+  hidden_of(slot, rows)     when a request finishes, if the caller keeps hidden states: the
+                            final hidden states of its first `rows` positions, as observed;
   catch_up(running)         before the first SD step after plain steps or a prefill (timed
                             apart: the switch's cost, charged to no strategy);
   propose(running, starts, strategy) -> Tree
@@ -46,6 +48,9 @@ class Proposer:
 
     def move_slot(self, src: int, dst: int, rows: int) -> None:
         pass
+
+    def hidden_of(self, slot: int, rows: int) -> torch.Tensor:
+        raise NotImplementedError  # only a proposer that `needs_hidden` is asked
 
     def catch_up(self, running: list) -> bool:
         return False
