@@ -5,6 +5,7 @@ plus dotted overrides (`tailtamer train cfg.yaml rl.lr=1e-6`), validated at star
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -168,8 +169,9 @@ class RLConfig:
                                         "activations (less memory, ~1/3 more update compute)")
     # A sample of advantage 0 adds exactly 0 to the policy loss's gradient; on the default job
     # those are 40-50% of the samples and more of the tokens (all-wrong groups are the long ones).
-    skip_zero_advantage: bool = f(True, "no forward+backward for samples of advantage exactly 0 (their gradient is 0; "
-                                        "their tokens still count in loss_agg); only without KL and entropy terms")
+    skip_zero_advantage: bool = f(True, "no forward+backward for samples of advantage exactly 0 (their policy-loss "
+                                        "gradient is 0; their tokens still count in the loss normalisation); "
+                                        "ignored, every sample computed, when kl_coef or entropy_coef > 0")
     dynamic_sampling: bool = f(False, "drop groups whose rewards all agree (DAPO)")
     overlong: str = f("none", "truncated responses: none, mask (no loss), or penalty (DAPO soft punishment)")
     overlong_buffer: int = f(64, "penalty: tokens before max_new_tokens where the penalty ramps to -1")
@@ -293,8 +295,11 @@ def from_dict(cls, data: dict | None, where: str = "", base=None):
     if renamed:
         raise ConfigError(f"renamed config field(s): {'; '.join(renamed)} (rename it in the config file or override)")
     if data:
-        known = ", ".join(fl.name for fl in fields(cls))
-        raise ConfigError(f"unknown config field(s) {', '.join(where + k for k in data)}; known here: {known}")
+        names = [fl.name for fl in fields(cls)]
+        close = [f"{where}{m[0]}" for k in data if (m := difflib.get_close_matches(k, names, n=1))]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(f"unknown config field(s) {', '.join(where + k for k in data)}{hint}; "
+                          f"known here: {', '.join(names)}")
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 

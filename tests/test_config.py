@@ -29,7 +29,8 @@ def test_yaml_1_2_scalars():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["rl.lrr=1"], "unknown config field(s) rl.lrr"),
+    (["rl.lrr=1"], "unknown config field(s) rl.lrr (did you mean rl.lr?); known here"),
+    (["rl.zzzz=1"], "unknown config field(s) rl.zzzz; known here"),
     (["rl.lr=fast"], "rl.lr: expected float, got 'fast'"),
     (["rl=3"], "rl: expected a section"),
     (["rl.advantage=ppo"], "rl.advantage 'ppo' is unknown"),
