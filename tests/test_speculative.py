@@ -343,10 +343,10 @@ def test_a_chain_that_fails_to_compile_runs_eager(target, trained_drafter):
 @pytest.mark.parametrize("strategy", ["4_1_5", "4_2_8"])
 def test_finished_requests_hand_over_the_targets_hidden_states(target, trained_drafter, strategy):
     """What the adaptive drafter learns from comes from the rollout's own forwards: as each
-    request finishes, its tokens up to the last one consumed and the hidden states the engine
-    observed over its prefill, plain steps (more than 3 running) and SD steps (tree or chain,
-    accepted paths only), with slots compacted as requests finish and new ones admitted,
-    equal one full forward of the target over those tokens."""
+    request finishes, its tokens and the hidden states the engine observed for those a forward
+    consumed, over its prefill, plain steps (more than 3 running) and SD steps (tree or chain,
+    accepted paths only), with slots compacted as requests finish and new ones admitted, equal
+    one full forward of the target over those tokens."""
     from tailtamer.rollout.tuner import FixedTuner
 
     kept = []
@@ -355,16 +355,16 @@ def test_finished_requests_hand_over_the_targets_hidden_states(target, trained_d
     prompts = _prompts(5, seed=2)
     outs, stats = Engine(target, config=EngineConfig(max_batch_size=6), speculator=speculator).generate(
         prompts, params, keep_hidden=lambda tokens, start, hidden: kept.append((tokens, start, hidden.clone())))
-    assert stats.sd_seconds > 0 and stats.plain_seconds > 0 and len(kept) == len(outs)
-    whole_sequences = [prompts[c.prompt_index] + c.token_ids for c in outs]
-    cut = 0
+    assert stats.sd_seconds > 0 and stats.plain_seconds > 0
+    assert sorted(tuple(t) for t, _, _ in kept) == sorted(tuple(prompts[c.prompt_index] + c.token_ids) for c in outs)
+    short = 0
     for tokens, start, hidden in kept:
         # every token but the last (which no forward consumed), or all of them when an SD step
         # accepted a draft past where the request ended
-        full = next(seq for seq in whole_sequences if seq[: len(tokens)] == tokens and len(seq) - len(tokens) <= 1)
-        cut += len(full) - len(tokens)
-        assert start == len(next(p for p in prompts if full[: len(p)] == p))
+        assert len(tokens) - len(hidden) in (0, 1) and start == len(prompts[next(
+            i for i, p in enumerate(prompts) if tokens[: len(p)] == p)])
+        short += len(tokens) - len(hidden)
         with torch.no_grad():
-            whole = target.hidden_states(torch.tensor([tokens]))[0]
+            whole = target.hidden_states(torch.tensor([tokens[: len(hidden)]]))[0]
         assert torch.allclose(hidden, whole, rtol=0, atol=1e-9)
-    assert cut >= len(kept) // 2
+    assert short >= len(kept) // 2

@@ -273,18 +273,38 @@ def test_packing_keeps_every_tensor_on_the_buffers_device():
 
 
 def test_a_rollout_response_enters_the_buffer_with_its_pairs_aligned():
-    """`add_response` (what the engine hands over as a request finishes): tokens as far as a
-    forward consumed them and their hidden states; the pairs start at the prompt's last
-    position, and a response with no consumed token gives no entry."""
+    """`add_response` (what the engine hands over as a request finishes): all its tokens and
+    the hidden states of those a forward consumed (all but the last here); the pairs start at
+    the prompt's last position, and a response with no consumed token gives no entry."""
     buf = DataBuffer(1 << 20)
-    prompt, response = [5, 6, 7], [8, 9, 10]
+    prompt, response = [5, 6, 7], [8, 9, 10, 1]
     hidden = _position_hidden(6)
     assert buf.add_response(2, prompt + response, len(prompt), hidden)
-    assert not buf.add_response(2, prompt, len(prompt), _position_hidden(3))  # the first token was EOS
+    assert not buf.add_response(2, prompt + [1], len(prompt), _position_hidden(3))  # the first token was EOS
     (entry,) = buf.entries
     tokens_in, h_in, h_target, mask = pairs(entry)
-    assert entry.step == 2 and entry.response_len == 3
-    assert tokens_in[mask].tolist() == response and h_in[mask, 0].tolist() == [2, 3, 4]
+    assert entry.step == 2 and entry.response_len == 3 and not entry.complete
+    assert tokens_in[mask].tolist() == response[:-1] and h_in[mask, 0].tolist() == [2, 3, 4]
     assert h_target[mask, 0].tolist() == [3, 4, 5]
     hidden[:] = -1  # the engine reuses its buffer: the entry holds a copy
     assert entry.hidden[0, 0] == 0
+
+
+def test_the_estimate_of_a_rollout_entry_is_that_of_the_whole_response():
+    """A rollout's entry lacks the last token's hidden state (no forward consumed it); the
+    accept-length estimate counts its last pair, which predicts a real token, so it equals
+    the estimate from a full forward over the whole response."""
+    target = random_model()
+    drafter = init_drafter(target, seed=1, std=0.2)
+    ids = torch.randint(3, target.config.vocab_size, (4, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        hidden = target.hidden_states(ids)
+    whole, rollout = DataBuffer(1 << 24), DataBuffer(1 << 24)
+    mask = torch.zeros(4, 29, dtype=torch.bool)
+    mask[:, 5:] = True  # prompts of 6 tokens
+    whole.add_batch(0, ids, hidden, mask)
+    for b in range(4):
+        rollout.add_response(0, ids[b].tolist(), 6, hidden[b, :-1])
+    a = estimate_accept_length(drafter, whole.newest(), 3, T1)
+    b = estimate_accept_length(drafter, rollout.newest(), 3, T1)
+    assert a[0] > 1.0 and a == pytest.approx(b, rel=1e-5)

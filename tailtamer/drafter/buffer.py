@@ -26,6 +26,9 @@ class Entry:
     tokens: torch.Tensor  # (L,) prompt + response ids
     hidden: torch.Tensor  # (L, H) the target's final hidden state at every position
     response_start: int  # index of the first response token
+    # Whether the response ends here: a rollout's entry stops before its last token, which no
+    # forward consumed, so its last pair still predicts a token of the response.
+    complete: bool = True
 
     @property
     def response_len(self) -> int:
@@ -76,13 +79,15 @@ class DataBuffer:
         return added
 
     def add_response(self, step: int, tokens: list[int], response_start: int, hidden: torch.Tensor) -> bool:
-        """Add one response from the rollout: its tokens as far as a forward consumed them and
-        their hidden states (L, H), copied (the engine's are reused). False when it has no
-        training pair (fewer than two response tokens were consumed)."""
-        if len(tokens) <= response_start:
+        """Add one response from the rollout: all its tokens, and the hidden states (R, H) of the
+        first R, the ones a forward consumed (every one, or all but the last), copied (the
+        engine reuses its own). False when no response token was consumed (no training pair)."""
+        if len(hidden) <= response_start:
             return False
-        ids = torch.tensor(tokens, dtype=torch.long, device=hidden.device)
-        self.add(Entry(step, ids, hidden.detach().to(self.dtype, copy=True), response_start))
+        with torch.inference_mode(False):  # a plain tensor, whatever mode the rollout runs in
+            ids = torch.tensor(tokens[: len(hidden)], dtype=torch.long, device=hidden.device)
+            rows = hidden.detach().to(self.dtype, copy=True)
+        self.add(Entry(step, ids, rows, response_start, complete=len(hidden) == len(tokens)))
         return True
 
     def add(self, entry: Entry) -> None:

@@ -60,7 +60,7 @@ def estimate_accept_length(drafter, entries: list, depth: int, params: SamplingP
     steps weigh estimates of several workers into one). A metric, so it looks at an evenly
     strided subset of about `budget` pair positions, packed `group_tokens` at a time."""
     size = sum(len(e.tokens) - 1 for e in entries)
-    entries = [e for e in entries[:: max(1, -(-size // budget))] if e.response_len > 1]
+    entries = [e for e in entries[:: max(1, -(-size // budget))] if e.response_len > int(e.complete)]
     groups, group, used = [], [], 0
     for entry in entries:
         if group and used + len(entry.tokens) - 1 > group_tokens:
@@ -79,8 +79,8 @@ def estimate_accept_length(drafter, entries: list, depth: int, params: SamplingP
         alpha = chain_acceptance(drafter.target.lm_head(h_next.to(dtype)), logits, params)[0]
         for entry, part in zip(group, alpha.split([len(x[0]) for x in samples])):
             # pair j holds the pending token x_{j+1}; the response's tokens start at pair start − 1,
-            # and the last pair predicts past the response's end
-            response = part[entry.response_start - 1: -1].double().cpu().numpy()
-            tokens += entry.response_len - 1
+            # and the last pair of a complete entry predicts past the response's end
+            response = part[entry.response_start - 1: len(part) - entry.complete].double().cpu().numpy()
+            tokens += entry.response_len - entry.complete
             steps += expected_steps(response, depth)
     return (tokens / steps if steps else 1.0), steps

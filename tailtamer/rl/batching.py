@@ -12,8 +12,8 @@ import torch
 class Samples:
     """One step's samples on this worker, a row each.
 
-    mask[b, t] marks position t whose next token is a response token (every one: what the
-    drafter learns from); `keep` says whether the sample counts in the policy loss (dynamic
+    mask[b, t] marks position t whose next token is a response token (every one); `keep`
+    says whether the sample counts in the policy loss (dynamic
     sampling and overlong masking drop some); `index` is the sample's global index in the
     step (prompt-major), which fixes its minibatch whatever worker holds it."""
 

@@ -136,10 +136,10 @@ class Engine:
                  first_index: int = 0, keep_hidden: Callable[[list[int], int, torch.Tensor], None] | None = None
                  ) -> tuple[list[Completion], RolloutStats]:
         """`keep_hidden(tokens, response_start, hidden)`, with a proposer that observes the
-        target's hidden states: called as each request finishes, with its tokens up to the
-        last one a forward consumed and their final hidden states (a view of the proposer's,
-        valid until the call returns), so the adaptive drafter learns from the rollout's own
-        forwards (no extra one)."""
+        target's hidden states: called as each request finishes, with its prompt and response
+        tokens and the final hidden states of those a forward consumed (all but the last, or
+        all; a view of the proposer's, valid until the call returns), so the adaptive drafter
+        learns from the rollout's own forwards (no extra one)."""
         if not prompts:
             raise DataError("no prompts to generate from")
         requests = self.make_requests(prompts, params, labels, first_index)
@@ -201,7 +201,7 @@ class Engine:
                 done += finished
                 if keep_hidden is not None and self.proposer is not None and self.proposer.needs_hidden:
                     for r in finished:
-                        keep_hidden((r.prompt_ids + r.output_ids)[: r.cached], len(r.prompt_ids),
+                        keep_hidden(r.prompt_ids + r.output_ids, len(r.prompt_ids),
                                     self.proposer.hidden_of(r.slot, r.cached))
                 running = self._compact(running, cache)
         stats.seconds = time.perf_counter() - start - stats.setup_s
