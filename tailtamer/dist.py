@@ -36,7 +36,7 @@ from tqdm import tqdm
 from tailtamer.device import collective_backend
 from tailtamer.errors import TailtamerError
 from tailtamer.stopping import Interrupted, StopRequest
-from tailtamer.rl.batching import Samples, balanced_shares_by_group, needed_width
+from tailtamer.rl.batching import Samples, balanced_shares_by_group, computed_mask, needed_width
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
@@ -134,9 +134,10 @@ class Workers:
         # Plain lists travel: pickling a tensor per row costs ~0.1 s per step for 64 rows.
         mine = list(zip([s.ids[i, :n].tolist() for i, n in enumerate(needed)],
                         [s.mask[i, : n - 1].tolist() for i, n in enumerate(needed)],
-                        s.keep.tolist(), s.advantages.tolist(), s.index.tolist()))
+                        s.keep.tolist(), s.advantages.tolist(), s.index.tolist(),
+                        computed_mask(s, skip_zero_advantage).any(1).tolist()))
         rows = [row for part in self.gather(mine) for row in part]
-        costs = [len(r[0]) if r[2] and (r[3] != 0 or not skip_zero_advantage) else 0 for r in rows]
+        costs = [len(r[0]) if r[5] else 0 for r in rows]
         groups = group_of(torch.tensor([r[4] for r in rows])).tolist()
         share = balanced_shares_by_group(costs, groups, self.world)[self.rank]
         width = max([len(rows[i][0]) for i in share] + [2])
