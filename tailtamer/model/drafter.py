@@ -108,22 +108,34 @@ class Drafter(nn.Module):
                      starts: torch.Tensor, last: torch.Tensor, depth: int, span: int, tables) -> torch.Tensor:
         """A whole draft chain in one call, written for `torch.compile` (no Python between
         levels): the extend over pairs (hidden, ids) (B, W) of slots 0..B-1 at rows from
-        `starts` (pairs past `last` are padding), then `depth` - 1 greedy levels from each row's
-        last pair, level d at row and position starts + last + d. Returns the top-1 tokens
-        (B, depth). Padding rows lie where the levels write next or past them, and causal
-        attention never reads them. `span` covers every row written; `layer_cache` is
-        `cache.kv[0]` passed in as its own tensor: taken inside the graph, it is a view of the
-        cache's one tensor for all layers, and a compiled write through it copies that whole
-        tensor back, which costs more than the chain."""
+        `starts` (pairs past `last` are padding), then `greedy_levels` from each row's last
+        pair. Returns the top-1 tokens (B, depth). Padding rows lie where the levels write next
+        or past them, and causal attention never reads them. `layer_cache` is `cache.kv[0]`
+        passed in as its own tensor: taken inside the graph, it is a view of the cache's one
+        tensor for all layers, and a compiled write through it copies that whole tensor back,
+        which costs more than the chain."""
         positions, mask, view = decode_inputs(ids, cache, slice(0, ids.shape[0]), starts, span=span)
         x = self._features(ids, hidden, positions, mask, (layer_cache, view), tables)
         h = x[torch.arange(ids.shape[0], device=ids.device), last][:, None]
-        tokens = [self.target.lm_head(h)[:, 0].argmax(-1)]
+        return self.greedy_levels(h, self.target.lm_head(h)[:, 0], layer_cache, cache, starts + last + 1, depth,
+                                  span, tables)
+
+    def greedy_levels(self, hidden: torch.Tensor, logits: torch.Tensor, layer_cache: torch.Tensor, cache: KVCache,
+                      rows: torch.Tensor, depth: int, span: int, tables=None, mark=None) -> torch.Tensor:
+        """The `depth` top-1 drafts (B, depth) of a chain from the drafter's output at each
+        slot's last pair (`hidden` (B, 1, H), `logits` (B, V)): level d + 1 runs the pair
+        (ĥ, d-th draft) of slots 0..B-1 at drafter row and position rows + d - 1, attending
+        causally to the rows before it, so it is a plain decode step of the drafter: no tree
+        mask, no beam bookkeeping. `span` covers every row the levels write; `mark(d)`, when
+        given, is called after level d + 1 (the eager chain's phase marks)."""
+        tokens = [logits.argmax(-1)]
         for d in range(1, depth):
             ids = tokens[-1][:, None]
-            positions, mask, view = decode_inputs(ids, cache, slice(0, ids.shape[0]), starts + last + d, span=span)
-            h = self._features(ids, h, positions, mask, (layer_cache, view), tables)
-            tokens.append(self.target.lm_head(h)[:, 0].argmax(-1))
+            positions, mask, view = decode_inputs(ids, cache, slice(0, ids.shape[0]), rows + d - 1, span=span)
+            hidden = self._features(ids, hidden, positions, mask, (layer_cache, view), tables)
+            tokens.append(self.target.lm_head(hidden)[:, 0].argmax(-1))
+            if mark is not None:
+                mark(d)
         return torch.stack(tokens, 1)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:

@@ -21,21 +21,13 @@ from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.stats import PHASES
 
 
-def eagle_chain(drafter, cache, batch: int, starts: torch.Tensor, root_logits: torch.Tensor,
-                root_hidden: torch.Tensor, pending: torch.Tensor, depth: int, max_start: int) -> Tree:
-    """A chain (strategy D_1_(D+1)): the drafter's top-1 token at each of `depth` levels. Level
-    d + 1 runs the pair (ĥ, d-th draft) at drafter row and position starts + d - 1, attending
-    causally to the committed rows and the chain's earlier levels, so it is a plain decode step
-    of the drafter: no tree mask, no beam bookkeeping."""
-    tokens = [pending, root_logits.argmax(-1)]
-    hidden = root_hidden[:, None]
-    for d in range(1, depth):
-        PHASES.mark("sd: draft tree bookkeeping")
-        logits, hidden = drafter.decode(tokens[-1][:, None], hidden, cache, slice(0, batch), starts + d - 1,
-                                        span=max_start + d)
-        PHASES.mark(f"sd: draft level {d + 1}")
-        tokens.append(logits[:, 0].argmax(-1))
-    return chain_tree(torch.stack(tokens, 1))
+def eagle_chain(drafter, cache, starts: torch.Tensor, root_logits: torch.Tensor, root_hidden: torch.Tensor,
+                pending: torch.Tensor, depth: int, max_start: int) -> Tree:
+    """A chain (strategy D_1_(D+1)), eager: `Drafter.greedy_levels` after the extend, level
+    d + 1 at drafter row and position starts + d - 1."""
+    drafts = drafter.greedy_levels(root_hidden[:, None], root_logits, cache.kv[0], cache, starts, depth,
+                                   max_start + depth, mark=lambda d: PHASES.mark(f"sd: draft level {d + 1}"))
+    return chain_tree(torch.cat((pending[:, None], drafts), 1))
 
 
 def chain_tree(tokens: torch.Tensor) -> Tree:
@@ -318,5 +310,5 @@ class EagleProposer(Proposer):
         PHASES.mark("sd: drafter extend (draft level 1)")
         B, top = len(running), max(r.cached for r in running)
         if strategy.topk == 1:
-            return eagle_chain(self.drafter, self.cache, B, starts, logits, out, pending, strategy.depth, top)
+            return eagle_chain(self.drafter, self.cache, starts, logits, out, pending, strategy.depth, top)
         return eagle_tree(self.drafter, self.cache, B, starts, logits, out, pending, strategy, top)
