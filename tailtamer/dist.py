@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from tailtamer.device import collective_backend
 from tailtamer.errors import TailtamerError
-from tailtamer.stopping import Interrupted, StopRequest
+from tailtamer.stopping import Interrupted, StopRequest, exit_with_parent
 from tailtamer.rl.batching import Samples, balanced_shares_by_group, computed_mask, needed_width
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
@@ -260,21 +260,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_with_parent() -> None:
-    """A worker must not outlive its launcher (e.g. one killed with SIGKILL): an orphan would
-    go on writing into the run directory."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 def _spawned(rank: int, world: int, port: int, entry: Callable, args: tuple, results) -> None:
-    _exit_with_parent()
+    exit_with_parent()
     # A tqdm bar (torch.compile's tracing makes one) would create a multiprocessing lock, which
     # the os._exit below leaves to the launcher's resource tracker to warn about.
     tqdm.set_lock(threading.RLock())

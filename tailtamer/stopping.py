@@ -1,10 +1,13 @@
 """Stopping a run by hand: the first Ctrl-C finishes the step, saves a checkpoint and says how
-to resume; a second one stops at once (the last checkpoint stays valid: they are atomic)."""
+to resume; a second one stops at once (the last checkpoint stays valid: they are atomic). And
+child processes that stop with their parent."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 
 from tailtamer.errors import TailtamerError
 
@@ -38,3 +41,17 @@ class StopRequest:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+
+
+def exit_with_parent() -> None:
+    """End this process as soon as its parent is gone (e.g. killed with SIGKILL): an orphaned
+    worker would go on writing into the run directory, and an orphaned reward process stuck in
+    a loop would never end."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()

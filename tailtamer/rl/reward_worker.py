@@ -13,25 +13,13 @@ import os
 import pickle
 import signal
 import sys
-import threading
-import time
 from multiprocessing.connection import Connection
 
-
-def _exit_with_parent() -> None:
-    """A reward stuck in a loop must not outlive the trainer that started it."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
+from tailtamer.stopping import exit_with_parent
 
 
 def main(read_fd: int, write_fd: int) -> None:
-    _exit_with_parent()
+    exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
     # A reward that prints must not be able to corrupt the channel: stdout goes to stderr.
     os.dup2(2, 1)
