@@ -1,5 +1,7 @@
 """The continuous-batching engine: parity with transformers, reproducibility, limits, errors."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -124,6 +126,18 @@ def test_context_limit_ends_with_length(model_dir):
     completions, _ = engine.generate([[5] * 15], SamplingParams(max_new_tokens=100))
     assert completions[0].finish_reason == "length"
     assert len(completions[0].token_ids) == 5
+
+
+def test_a_response_limit_past_the_context_costs_only_the_context():
+    """max_new_tokens far beyond the context: the sampling table is as wide as the longest
+    response can be (it was max_new_tokens wide: 80 GB here), and the draws are the same."""
+    engine = Engine(random_model(), config=EngineConfig(max_seq_len=24), eos_ids=())
+    params = SamplingParams(temperature=1.0, n=3, seed=4)
+    huge, _ = engine.generate([[5] * 15, [6] * 4], replace(params, max_new_tokens=10**10))
+    assert engine._uniforms.shape == (6, 24 - 4 + 1)
+    fits, _ = engine.generate([[5] * 15, [6] * 4], replace(params, max_new_tokens=20))
+    assert [c.token_ids for c in huge] == [c.token_ids for c in fits]
+    assert [len(c.token_ids) for c in huge] == [9] * 3 + [20] * 3
 
 
 def test_bad_prompts_are_named():

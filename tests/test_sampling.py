@@ -48,7 +48,8 @@ def test_greedy_is_one_hot_on_argmax():
     assert p.tolist() == [[1.0, 0, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_k", -1), ("top_p", 0.0),
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", math.inf), ("temperature", math.nan),
+                                         ("top_k", -1), ("top_p", 0.0),
                                          ("top_p", 1.5), ("max_new_tokens", 0), ("n", 0)])
 def test_bad_sampling_params(field, value):
     with pytest.raises(ConfigError, match=field):

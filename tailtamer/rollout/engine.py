@@ -146,9 +146,11 @@ class Engine:
         slots = min(self.config.max_batch_size, len(requests))
         longest = max(r.budget for r in requests)
         device = self.model.device
+        # as wide as the longest response can be (max_new_tokens may exceed the context; draws
+        # past a request's budget are discarded, so they may share the last column)
         self._uniforms = None if params.greedy else uniforms(
             torch.tensor([r.key for r in requests], device=device),
-            torch.arange(params.max_new_tokens + 1, device=device)[None])
+            torch.arange(max(r.max_new_tokens for r in requests) + 1, device=device)[None])
         spec = self.speculator
         if spec is not None:
             strategies = spec.tuner.strategies

@@ -6,6 +6,7 @@ pure function: filter the logits, renormalise, and nothing else.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
