@@ -71,10 +71,15 @@ Rough pieces (documented models, meant to be conservative but not absurd):
                 step's logits and float32 sampling probabilities (decode_rows·(b + 12)·V, rows =
                 requests x tokens verified), and a spot-training step of the drafter on M packed
                 tokens (~M·(2a + (2b + 24)·V) + M², see `_drafter_training_bytes`).
+  samples       R·len·SAMPLE_TOKEN_BYTES for the R requests of a step (prompts x group_size of the
+                worker's shard, or an evaluation's), each up to len tokens: its token lists
+                (Python ints), its row of sampling uniforms (float64) and the update's tensors
+                of it (ids, masks, log-probs, advantages). Live through the rollout and the
+                update.
 
 total = persistent + max(rollout_activations, update_weights + activations + logits), where
 persistent = policy + master + grads + optimizer + rollout_copy + reference + kv_cache +
-drafter: the update's transients and the rollout's never live together. Allocator
+drafter + samples: the update's transients and the rollout's never live together. Allocator
 fragmentation, the CUDA context (~0.5 GiB) and PyTorch's workspaces are not counted;
 `check_fits` keeps a 10% margin for them.
 
@@ -98,7 +103,10 @@ if TYPE_CHECKING:
 MARGIN = 0.10  # of the available memory, kept free (fragmentation, CUDA context, workspaces)
 MEMINFO = "/proc/meminfo"
 # In order of preference when two pieces tie for the largest (the refusal names the first).
-PERSISTENT = ("policy", "master", "grads", "optimizer", "reference", "kv_cache", "drafter", "rollout_copy")
+PERSISTENT = ("policy", "master", "grads", "optimizer", "reference", "kv_cache", "drafter", "rollout_copy", "samples")
+# a token of a request: a list slot and int object (36), a uniform (8), the update's ids, mask and
+# float32 log-probs and advantage (8 + 1 + 12), rounded up
+SAMPLE_TOKEN_BYTES = 64
 PIECES = PERSISTENT + ("update_weights", "activations", "logits", "rollout_activations")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 
@@ -221,7 +229,8 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
              shard_world: int = 1, grad_checkpointing: bool = False, compute_bytes: int | None = None,
              seq_len: int | None = None, entropy: bool = False, attention_scores: bool | None = None,
              prefill_tokens: int = 0, prefill_rows: int = 0, decode_rows: int | None = None, drafter_cache_len: int | None = None,
-             drafter_buffer_bytes: int = 0, drafter_tokens: int = 512, drafter_frozen: bool = False) -> dict[str, int]:
+             drafter_buffer_bytes: int = 0, drafter_tokens: int = 512, drafter_frozen: bool = False,
+             requests: int = 0) -> dict[str, int]:
     """Bytes per worker of each piece and the total (module docstring: formulas and what is
     exact). `compute_bytes`: the precision of the training forwards (autocast; default the
     weights'), also the reference model's. `seq_len` is the widest sample of the update
@@ -229,7 +238,7 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
     `attention_scores` None: counted for float32 compute. `prefill_tokens` / `prefill_rows` /
     `decode_rows`: the largest prefill (prompts x their width, and its prompts) and decode step
     (rows x tokens verified; default `slots`) of the rollout. `drafter_cache_len`: the length the EAGLE proposer
-    reserves (default `cache_len`)."""
+    reserves (default `cache_len`). `requests`: the step's requests, each up to `cache_len` tokens."""
     if shard_world < 1:
         raise ValueError(f"shard_world must be >= 1, got {shard_world}")
     cfg, b, N = model_cfg, weight_bytes, shard_world
@@ -254,6 +263,7 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
         "reference": P * c if reference else 0,
         "kv_cache": kv_cache_bytes(cfg, slots, cache_len, cache_bytes),
         "drafter": 0,
+        "samples": requests * cache_len * SAMPLE_TOKEN_BYTES,
         "update_weights": casts + gathered,
         "activations": update_activation_bytes(cfg, b, tokens, seq_len, grad_checkpointing, scores, c),
         "logits": logits_bytes(cfg.vocab_size, tokens, c, entropy),
@@ -317,6 +327,7 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
     prompts = _shard(roll.prompts_per_step, world)
     slots = min(roll.max_batch_size, prompts * roll.group_size)
     eval_requests = _shard(cfg.data.n_eval, world) if run.eval_every > 0 else 0
+    requests = max(prompts * roll.group_size, eval_requests)
     slots = max(slots, min(roll.max_batch_size, eval_requests))
     # siblings share their prompt's prefill: the first `slots` requests hold ⌈slots / group⌉ prompts
     prefill_rows = max(min(prompts, _shard(slots, roll.group_size)), min(eval_requests, slots))
@@ -342,7 +353,8 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
         entropy=rl.entropy_coef > 0, prefill_tokens=prefill, prefill_rows=prefill_rows, decode_rows=decode_rows,
         drafter_cache_len=seq + max(verify, draft_rows) + 1,
         drafter_buffer_bytes=spot.buffer_mb << 20 if trains else 0, drafter_tokens=spot.tokens_per_step,
-        drafter_frozen=trains and spot.compare_frozen, attention_scores=None if device_type == "cuda" else False)
+        drafter_frozen=trains and spot.compare_frozen, attention_scores=None if device_type == "cuda" else False,
+        requests=requests)
 
 
 # --- reporting and the refusal --------------------------------------------------------------------
@@ -380,7 +392,8 @@ def format_estimate(est: dict, available: int | None = None) -> str:
         update += f" + {size(est['update_weights'])} weight copies"
     parts += [f"grads {size(est['grads'])}", f"optimizer {size(est['optimizer'])}",
               f"reference {size(est['reference'])}", f"KV cache {_kv(est)}", update,
-              f"rollout activations {size(est['rollout_activations'])}", f"drafter {size(est['drafter'])}"]
+              f"rollout activations {size(est['rollout_activations'])}", f"drafter {size(est['drafter'])}",
+              f"samples {size(est['samples'])}"]
     of = f" of {size(available)}" if available is not None else ""
     return f"memory per worker: {', '.join(parts)}; total {size(est['total'])}{of}"
 
@@ -403,6 +416,8 @@ def _advice(est: dict, piece: str) -> str:
                            "data.max_prompt_tokens or data.n_eval (prompts prefilled together)",
                 "decode": "lower rollout.max_batch_size (or spec.bs_threshold: rows verified per step)",
                 "drafter_training": "lower spot.tokens_per_step"}[cause]
+    if piece == "samples":
+        return "lower rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens"
     if piece == "reference":
         return "set rl.kl_coef=0 (no reference model)" + (" or run.dtype=bfloat16" if bf16 else "")
     if piece == "drafter":
@@ -422,7 +437,8 @@ NAMES = {"kv_cache": "the KV cache", "activations": "the update's activations", 
          "rollout_activations": "the rollout's activations", "rollout_copy": "the engine's whole copy of the policy",
          "update_weights": "the update's weight copies", "master": "the fp32 master weights",
          "policy": "the policy's weights", "grads": "the gradients", "optimizer": "the AdamW state",
-         "reference": "the reference model", "drafter": "the drafter"}
+         "reference": "the reference model", "drafter": "the drafter",
+         "samples": "the step's samples"}
 
 
 def check_fits(est: dict, available: int | None, device_name: str) -> None:

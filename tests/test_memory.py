@@ -151,6 +151,17 @@ def test_estimate_for_counts_evaluation_requests_and_the_context():
     assert train_only["prefill"] < est["prefill"]  # 3 prompts (their 4 samples share a prefill), not 16
 
 
+def test_a_step_of_too_many_samples_is_refused_naming_them():
+    """Every request of a worker's step holds its tokens, uniforms and update tensors, however
+    few cache slots decode them at a time: 3 prompts x 10^8 samples cannot fit."""
+    model_cfg = tiny_config()
+    small, huge = (estimate_for(_train_config(f"rollout.group_size={g}"), model_cfg) for g in (8, 10**8))
+    assert huge["slots"] == small["slots"] == 16 and huge["kv_cache"] == small["kv_cache"]
+    assert huge["samples"] == small["samples"] * 12_500_000 > 0
+    message = _refusal(huge, 64 * GiB)
+    assert "the step's samples" in message and "rollout.group_size" in message
+
+
 def test_estimate_for_with_speculative_decoding_matches_the_engine_and_the_eagle_proposer():
     model_cfg = tiny_config()
     model = random_model(model_cfg)
