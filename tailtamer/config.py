@@ -231,6 +231,10 @@ class TrainConfig:
         if self.rl.overlong == "penalty" and self.rl.overlong_buffer >= self.rollout.max_new_tokens:
             raise ConfigError(f"rl.overlong_buffer ({self.rl.overlong_buffer}) must be below rollout.max_new_tokens "
                               f"({self.rollout.max_new_tokens}): the penalty would hit every response")
+        if self.rollout.group_size < 2:
+            raise ConfigError(f"rollout.group_size must be >= 2, got {self.rollout.group_size}: every advantage "
+                              f"({', '.join(ADVANTAGES)}) compares a sample with the others of its prompt, so one "
+                              f"sample per prompt has advantage 0 and the policy never changes")
         if self.rollout.prompts_per_step * self.rollout.group_size % self.rl.minibatches:
             raise ConfigError(f"rl.minibatches ({self.rl.minibatches}) must divide prompts_per_step x group_size "
                               f"({self.rollout.prompts_per_step * self.rollout.group_size})")

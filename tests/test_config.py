@@ -36,6 +36,7 @@ def test_yaml_1_2_scalars():
     (["rl.advantage=ppo"], "rl.advantage 'ppo' is unknown"),
     (["rl.loss_agg=sum"], "rl.loss_agg 'sum' is unknown"),
     (["rl.minibatches=3"], "must divide prompts_per_step x group_size"),
+    (["rollout.group_size=1", "rl.advantage=rloo"], "rollout.group_size must be >= 2, got 1: every advantage"),
     (["rl.dynamic_sampling=1"], "expected true or false"),
     (["run.steps=0"], "run.steps must be >= 1"),
     (["rollout.temperature=0"], "temperature must be > 0"),

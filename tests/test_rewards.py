@@ -185,6 +185,20 @@ def test_a_dict_reward_needs_a_score():
         check_reward_value({"acc": 1.0})
 
 
+def test_a_reward_too_large_for_the_advantages_is_refused():
+    """1e308 is finite in Python but inf once the step's rewards are float32."""
+    import torch
+
+    from tailtamer.rl.grpo import grpo_advantages
+    from tailtamer.rl.rewards import MAX_REWARD, NotANumber, check_reward_value
+
+    for big in (1e308, -1e20):
+        with pytest.raises(NotANumber, match=r"beyond ±1e\+18"):
+            check_reward_value(big)
+    assert check_reward_value(MAX_REWARD) == MAX_REWARD
+    assert torch.isfinite(grpo_advantages(torch.tensor([[MAX_REWARD, -MAX_REWARD, 0.0, 1.0] * 4]))).all()
+
+
 def test_several_weighted_rewards_sum_and_fail_on_their_own(user_file):
     scorer = RewardScorer((f"{user_file}:exact", f"{user_file}:boom", "builtin"), timeout_s=2, weights=(2.0, 1.0, 0.5))
     items = [("7", "7"), ("answer: 3", "3"), ("x", "y")]

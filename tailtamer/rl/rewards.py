@@ -190,6 +190,10 @@ def reward_caller(fn: Callable, name: str) -> Callable[[str, str, dict], object]
     return lambda response, answer, context: fn(response, answer)
 
 
+# float32 holds squares up to 3.4e38: a group's variance of rewards beyond ~1e18 overflows it
+MAX_REWARD = 1e18
+
+
 class NotANumber(ValueError):
     """A reward function returned something other than a finite number."""
 
@@ -208,6 +212,9 @@ def check_reward_value(value) -> float:
     number = float(value)
     if number != number or number in (float("inf"), float("-inf")):
         raise NotANumber(f"returned {number}")
+    if abs(number) > MAX_REWARD:
+        raise NotANumber(f"returned {number:g}, beyond ±{MAX_REWARD:g}: the group's standard deviation, computed "
+                         f"in float32, would overflow")
     return number
 
 
