@@ -15,9 +15,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would make results unreadable to others
     try:
         write(tmp)
+        # after the write: mkstemp's 0600 (which safetensors' writer keeps, replacing the file)
+        # would make results unreadable to others
+        os.chmod(tmp, 0o666 & ~_umask())
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -25,6 +27,14 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def temp_dir(final: Path) -> Path:
+    """A fresh hidden sibling directory of `final`, to write into and rename into place, with
+    the permissions a new directory gets (mkdtemp's 0700 would hide checkpoints from others)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
 
 
 def _umask() -> int:

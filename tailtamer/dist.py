@@ -298,7 +298,6 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
     results = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(_spawned, args=(world, _free_port(), entry, args, results), nprocs=world,
                                join=False, start_method="spawn")
-    resume = f"the last checkpoint in {run_dir}/checkpoints stays valid (tailtamer train --resume {run_dir})"
     value, reported, interrupted = None, {}, {}
 
     def drain():
@@ -321,17 +320,21 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
         for process in procs.processes:
             if process.is_alive():
                 process.terminate()
-        raise Interrupted(f"stopped at once by a second Ctrl-C; {resume}") from None
+        raise Interrupted(f"stopped at once by a second Ctrl-C; {_resume_note(run_dir)}") from None
     except mp.ProcessExitedException as e:
-        raise _died(e.error_index, e.exit_code, resume) from None
+        if e.exit_code == 130:  # Ctrl-C before the worker's steps began (or a second one)
+            raise Interrupted(f"stopped by Ctrl-C; {_resume_note(run_dir)}") from None
+        raise _died(e.error_index, e.exit_code, _resume_note(run_dir)) from None
     except mp.ProcessRaisedException as e:
         drain()
         # A worker killed outright makes its peers fail in their next collective; the dead
         # one, not the peer that noticed first, is the cause to report.
         for rank, process in enumerate(procs.processes):
+            if rank != e.error_index and process.exitcode == 130:
+                raise Interrupted(f"stopped by Ctrl-C; {_resume_note(run_dir)}") from None
             if rank != e.error_index and process.exitcode is not None and process.exitcode < 0 \
                     and process.exitcode != -signal.SIGTERM:  # SIGTERM: stopped by the launcher
-                raise _died(rank, process.exitcode, resume) from None
+                raise _died(rank, process.exitcode, _resume_note(run_dir)) from None
         message = reported.get(e.error_index) or e.msg.strip().splitlines()[-1]
         raise WorkerError(f"worker {e.error_index}: {message}") from None
     drain()
@@ -340,6 +343,13 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
     if value is None:
         raise WorkerError("worker 0 ended without a result")
     return value[0]
+
+
+def _resume_note(run_dir: str) -> str:
+    """What a stopped run leaves to resume (checkpoints are written atomically)."""
+    if os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
+        return f"the last checkpoint in {run_dir}/checkpoints stays valid (tailtamer train --resume {run_dir})"
+    return "no checkpoint was written yet, so there is nothing to resume"
 
 
 def _died(rank: int, exit_code: int, resume: str) -> WorkerError:

@@ -22,7 +22,6 @@ import math
 import os
 import random
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tailtamer.atomic import atomic_write_json
+from tailtamer.atomic import atomic_write_json, temp_dir
 from tailtamer.config_fields import f
 from tailtamer.errors import ConfigError
 from tailtamer.model.config import preset_config
@@ -153,7 +152,7 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
         opt.step()
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
         if step % 50 == 0 or step == total - 1:
-            log(f"sft step {step:4d}/{total}  loss {loss_ema:.4f}  {time.perf_counter() - t0:6.1f}s")
+            log(f"sft step {step + 1:4d}/{total}  loss {loss_ema:.4f}  {time.perf_counter() - t0:6.1f}s")
     model.eval()
     out_dir = Path(out_dir)
     save_model(model, out_dir)
@@ -175,7 +174,7 @@ def ensure_base_model(cfg: SFTConfig = SFTConfig(), log: Callable[[str], None] =
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        tmp = temp_dir(target)
     except OSError as e:
         raise ConfigError(f"cannot write the base model into {target.parent} ({e.strerror or e}); set {CACHE_ENV} "
                           f"to a writable directory") from None

@@ -14,6 +14,7 @@ from tailtamer.errors import ConfigError
 from tailtamer.dist import WorkerError, Workers, resolve_workers, spawn
 from tailtamer.rl.batching import balanced_shares, balanced_shares_by_group
 from tailtamer.rl.trainer import TrainingError, check_same_weights, run_worker, train
+from tailtamer.stopping import Interrupted
 from test_trainer import TIME_FIELDS, _comparable, _rows
 
 SLOW_S = 0.8  # extra rollout time of worker 1: the long-tail shard
@@ -193,8 +194,20 @@ def kill_worker_1():
 
 def test_the_dead_worker_is_named_not_the_peer_that_noticed():
     for _ in range(3):  # whichever the launcher sees first, the dead one is reported
-        with pytest.raises(WorkerError, match=r"worker 1 died \(killed by SIGKILL\)"):
+        with pytest.raises(WorkerError, match=r"worker 1 died \(killed by SIGKILL\).*no checkpoint was written yet"):
             spawn(2, kill_worker_1, (), "runs/x")
+
+
+def interrupt_worker_1():
+    w = Workers.from_env(30)
+    if w.rank == 1:
+        raise KeyboardInterrupt  # Ctrl-C before a step: no StopRequest holds SIGINT yet
+    w.sum(torch.ones(1))
+
+
+def test_ctrl_c_before_the_first_step_is_a_stop_not_a_death(tmp_path):
+    with pytest.raises(Interrupted, match=r"stopped by Ctrl-C; no checkpoint was written yet, so there is nothing"):
+        spawn(2, interrupt_worker_1, (), str(tmp_path / "never"))
 
 
 def test_a_worker_error_is_reported_with_its_message(toy, tmp_path):

@@ -36,6 +36,46 @@ def test_a_run_name_belongs_to_one_run(toy, tmp_path):
     assert (tmp_path / "runs" / "mine" / "metrics.jsonl").read_text() == before  # untouched
 
 
+def test_a_run_killed_before_its_first_step_gives_its_name_back(toy, tmp_path):
+    """SIGTERM or SIGKILL in step 1 leaves the config and an empty metrics file, no checkpoint:
+    a resume says to start anew, and the same name then starts over in that directory. A
+    directory of other files is no run, and nothing is written into it."""
+    run = tmp_path / "runs" / "cut"
+    run.mkdir(parents=True)
+    from tailtamer.config import to_dict
+
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(load_train_config(None, toy + ["run.name=cut"]))))
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(CheckpointError, match=r"no checkpoint to resume from .*before its first step: start it anew "
+                                              r"with run.out_dir=.*runs run.name=cut"):
+        _train(toy, "run.steps=1", resume=run)
+    _train(toy, "run.steps=1", "run.name=cut")
+    assert len(_rows(run)) == 1
+    other = tmp_path / "runs" / "data"
+    other.mkdir()
+    (other / "mine.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"runs/data is a directory of other files, not a run"):
+        _train(toy, "run.steps=1", "run.name=data")
+    assert sorted(p.name for p in other.iterdir()) == ["mine.jsonl"]
+
+
+def test_checkpoints_have_the_permissions_the_umask_gives(toy, tmp_path):
+    """Not the 0700 / 0600 of temporary files (and of safetensors' writer), which would hide a
+    run's checkpoints from the other users of a shared machine."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        _train(toy, "run.steps=1", "run.name=shared", "run.save_every=1")
+    finally:
+        os.umask(old)
+    checkpoint = tmp_path / "runs" / "shared" / "checkpoints" / "step-000001"
+    assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o755
+    files = [p for p in checkpoint.rglob("*") if p.is_file()]
+    assert "model.safetensors" in {p.name for p in files}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o644 for p in files}
+
+
 def test_without_a_name_a_run_takes_the_next_free_one(toy, tmp_path):
     first = _train(toy, "run.steps=1")
     second = _train(toy, "run.steps=1")
@@ -198,8 +238,11 @@ def test_more_workers_than_prompts_is_a_startup_error(toy):
     from tailtamer.dist import Workers
     from tailtamer.rl.trainer import setup
 
+    cfg = load_train_config(None, toy + ["run.name=many", "run.workers=5"])
+    with pytest.raises(ConfigError, match=r"run.workers: 5 workers but only 4 prompts per step.*set run.workers=4"):
+        setup(cfg, log=quiet, workers=Workers(rank=0, world=5))
     cfg = load_train_config(None, toy + ["run.name=many"])
-    with pytest.raises(ConfigError, match=r"run.workers: 5 workers but only 4 prompts per step"):
+    with pytest.raises(ConfigError, match=r"5 workers \(run.workers=0 starts one per core\) but only 4 prompts"):
         setup(cfg, log=quiet, workers=Workers(rank=0, world=5))
 
 

@@ -11,14 +11,14 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from tailtamer.atomic import atomic_write_json, atomic_write_text
+from tailtamer.atomic import atomic_write_json, atomic_write_text, temp_dir
 from tailtamer.errors import CheckpointError
 from tailtamer.model.io import load_model, save_model
+from tailtamer.rl.run_dir import finished_a_step
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, scheduler, state: dict,
@@ -29,7 +29,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    tmp = temp_dir(final)
     try:
         save_model(model, tmp)
         tokenizer.save(tmp)
@@ -75,7 +75,10 @@ def checkpoints_to_delete(accuracy: dict[str, float | None], keep: int, current:
 def latest_checkpoint(run_dir: Path) -> Path:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.is_file():
-        raise CheckpointError(f"{run_dir}: no checkpoint to resume from (checkpoints/latest is missing)")
+        anew = "" if finished_a_step(run_dir) else \
+            f"; it stopped before its first step: start it anew with run.out_dir={run_dir.parent} " \
+            f"run.name={run_dir.name}, which reuses the directory"
+        raise CheckpointError(f"{run_dir}: no checkpoint to resume from (checkpoints/latest is missing){anew}")
     name = pointer.read_bytes().decode("utf-8", errors="replace").strip()
     if not re.fullmatch(r"step-\d{6,}", name):
         raise CheckpointError(f"{pointer}: expected the name of a checkpoint of this run (step-NNNNNN), got {name[:40]!r}")

@@ -51,14 +51,29 @@ class RunDirLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        metrics = self.path / "metrics.jsonl"
-        finished_a_step = (metrics.is_file() and metrics.stat().st_size > 0) or (self.path / "checkpoints").exists()
-        if remove_if_unused and self.created and not finished_a_step:
+        if remove_if_unused and self.created and not finished_a_step(self.path):
             shutil.rmtree(self.path, ignore_errors=True)
 
 
+def finished_a_step(path: Path) -> bool:
+    """A run directory with a step's metrics or a checkpoint: something a resume continues."""
+    metrics = path / "metrics.jsonl"
+    return (metrics.is_file() and metrics.stat().st_size > 0) or (path / "checkpoints").exists()
+
+
 def _holds_a_run(path: Path) -> bool:
-    return path.is_dir() and any(p.name != ".lock" for p in path.iterdir())
+    """The directory holds a run that finished a step, or files of something else: either way
+    not ours to write into. A run that never finished a step (stopped by SIGTERM or SIGKILL in
+    its first, which leaves only its config) holds nothing a new run would lose."""
+    if not path.is_dir() or not any(p.name != ".lock" for p in path.iterdir()):
+        return False
+    return finished_a_step(path) or not (path / "config.yaml").is_file()
+
+
+def _taken(path: Path) -> str:
+    if finished_a_step(path):
+        return f"{path} already holds a run; continue it with `tailtamer train --resume {path}`, or give another run.name"
+    return f"{path} is a directory of other files, not a run; give another run.name or run.out_dir"
 
 
 def claim_run_dir(cfg, resume: Path | None):
@@ -77,8 +92,7 @@ def claim_run_dir(cfg, resume: Path | None):
         path = out / candidate
         if _holds_a_run(path):
             if name:
-                raise ConfigError(f"{path} already holds a run; continue it with `tailtamer train --resume {path}`, "
-                                  f"or give another run.name")
+                raise ConfigError(_taken(path))
             continue
         try:
             path.mkdir(parents=True, exist_ok=True)

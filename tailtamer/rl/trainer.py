@@ -411,10 +411,11 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings), log)
     prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
     if prompts < workers.world:
-        raise ConfigError(f"run.workers: {workers.world} workers but only {prompts} prompts per step "
+        auto = " (run.workers=0 starts one per core)" if cfg.run.workers == 0 else ""
+        raise ConfigError(f"run.workers: {workers.world} workers{auto} but only {prompts} prompts per step "
                           f"(rollout.prompts_per_step={cfg.rollout.prompts_per_step}, {len(train_rows)} training "
-                          f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: start at most "
-                          f"{prompts} workers or raise rollout.prompts_per_step")
+                          f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: set "
+                          f"run.workers={prompts} or raise rollout.prompts_per_step")
     device = workers.device  # resolved once, by whoever made the worker (run_worker, train)
     dtype = train_dtype(cfg.run.dtype, device)
     # Before loading anything: what each worker will hold, and a refusal if it cannot fit.
