@@ -250,6 +250,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tailtamer.drafter.train import DrafterTrainConfig
     from tailtamer.rollout.engine import EngineConfig
     from tailtamer.sft import SFTConfig
 
@@ -295,9 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--data", required=True, help="JSONL with 'text' (or 'prompt' + 'response'), or 'builtin'")
     dt.add_argument("--out", required=True, help="drafter directory to write")
     dt.add_argument("--init", help="continue from this drafter directory")
-    dt.add_argument("--steps", type=int)
-    dt.add_argument("--lr", type=float)
-    dt.add_argument("--seed", type=seed)
+    dt.add_argument("--steps", type=int, help=f"optimizer steps (default {DrafterTrainConfig().steps})")
+    dt.add_argument("--lr", type=float, help=f"peak AdamW learning rate (default {DrafterTrainConfig().lr})")
+    dt.add_argument("--seed", type=seed, help="data order and initialisation")
     dt.set_defaults(func=cmd_drafter_train)
 
     s = sub.add_parser("sft", help="train (or find in the cache) the built-in task's base model")
@@ -324,10 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_task)
 
     d = sub.add_parser("demo", help="one long-tail rollout of the built-in base model (the RL job is `tailtamer train`)")
-    d.add_argument("--out", default="runs/demo")
-    d.add_argument("--prompts", type=int, default=64)
-    d.add_argument("--n", type=int, default=8)
-    d.add_argument("--seed", type=seed, default=0)
+    d.add_argument("--out", default="runs/demo", help="directory for its report and pictures (default runs/demo)")
+    d.add_argument("--prompts", type=int, default=64, help="how many built-in task prompts (a count, not a file)")
+    d.add_argument("--n", type=int, default=8, help="samples per prompt")
+    d.add_argument("--seed", type=seed, default=0, help="which prompts, and the sampling streams")
     d.add_argument("--model", help="model directory (default: the built-in base model)")
     d.set_defaults(func=cmd_demo)
 
