@@ -270,13 +270,13 @@ def _spawned(rank: int, world: int, port: int, entry: Callable, args: tuple, res
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         value = entry(*args)
-    except Interrupted as e:  # stopped by Ctrl-C or SIGTERM between steps: a clean end, not a failure
+    except Interrupted as e:  # stopped by Ctrl-C between steps: a clean end, not a failure
         results.put(("interrupted", rank, str(e)))
         value = None
     except TailtamerError as e:  # a clear message for the launcher to show, not a traceback
         results.put(("error", rank, str(e)))
         raise
-    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: the launcher stops everyone and says so
+    except KeyboardInterrupt:  # a second Ctrl-C: the launcher stops everyone and says so
         os._exit(130)
     if rank == 0 and value is not None:
         results.put(("ok", rank, value))  # written to the pipe before put returns
@@ -311,27 +311,19 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
             else:
                 reported[rank] = payload
 
-    def pass_on(signum: int) -> None:
-        if signum == signal.SIGTERM:  # sent to this process alone; Ctrl-C reaches the whole group
-            for process in procs.processes:
-                if process.is_alive():
-                    os.kill(process.pid, signal.SIGTERM)
-
-    stop = StopRequest(on_request=pass_on)
     try:
-        # The workers stop after their step; a second Ctrl-C or SIGTERM stops them here.
-        with stop:
+        # The workers see Ctrl-C too and stop after their step; a second one stops them here.
+        with StopRequest():
             while not procs.join(timeout=0.5):
                 drain()
     except KeyboardInterrupt:
         for process in procs.processes:
             if process.is_alive():
                 process.terminate()
-        raise Interrupted(f"stopped at once by a second {stop.by or 'Ctrl-C'}; {_resume_note(run_dir)}") from None
+        raise Interrupted(f"stopped at once by a second Ctrl-C; {_resume_note(run_dir)}") from None
     except mp.ProcessExitedException as e:
-        # Ctrl-C or SIGTERM before the worker's steps began (or a second one)
-        if e.exit_code == 130 or (stop.requested and e.exit_code == -signal.SIGTERM):
-            raise Interrupted(f"stopped by {stop.by or 'Ctrl-C'}; {_resume_note(run_dir)}") from None
+        if e.exit_code == 130:  # Ctrl-C before the worker's steps began (or a second one)
+            raise Interrupted(f"stopped by Ctrl-C; {_resume_note(run_dir)}") from None
         raise _died(e.error_index, e.exit_code, _resume_note(run_dir)) from None
     except mp.ProcessRaisedException as e:
         drain()
@@ -339,7 +331,7 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
         # one, not the peer that noticed first, is the cause to report.
         for rank, process in enumerate(procs.processes):
             if rank != e.error_index and process.exitcode == 130:
-                raise Interrupted(f"stopped by {stop.by or 'Ctrl-C'}; {_resume_note(run_dir)}") from None
+                raise Interrupted(f"stopped by Ctrl-C; {_resume_note(run_dir)}") from None
             if rank != e.error_index and process.exitcode is not None and process.exitcode < 0 \
                     and process.exitcode != -signal.SIGTERM:  # SIGTERM: stopped by the launcher
                 raise _died(rank, process.exitcode, _resume_note(run_dir)) from None

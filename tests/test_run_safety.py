@@ -234,24 +234,6 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers):
     assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "straight"))
 
 
-def test_sigterm_to_the_launcher_stops_every_worker_after_the_step(toy, tmp_path):
-    """SIGTERM, as a scheduler or `docker stop` sends it to the job's main process alone: the
-    launcher passes it on, and the workers end the step and checkpoint as for Ctrl-C."""
-    run = tmp_path / "runs" / "termed"
-    proc = _cli_train(toy + ["run.save_every=0", "run.workers=2", "run.steps=40", "run.name=termed"], tmp_path)
-    deadline = time.time() + 120
-    while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 1):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err
-    done = len(_rows(run))
-    assert f"stopped by SIGTERM after step {done} of 40" in err and f"tailtamer train --resume {run}" in err
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{done:06d}"
-
-
 def test_more_workers_than_prompts_is_a_startup_error(toy):
     from tailtamer.dist import Workers
     from tailtamer.rl.trainer import setup

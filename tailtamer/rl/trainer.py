@@ -580,8 +580,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                 if (cfg.run.save_every and s.step % cfg.run.save_every == 0) or s.step == cfg.run.steps:
                     _checkpoint(s)
                 if w.any(stop.requested) and s.step < cfg.run.steps:
-                    raise Interrupted(f"stopped by {stop.by or 'a stop request to another worker'} after step "
-                                      f"{s.step} of {cfg.run.steps}; "
+                    raise Interrupted(f"stopped by Ctrl-C after step {s.step} of {cfg.run.steps}; "
                                       f"{_save_before_stopping(s)}")
                 if w.is_main and pace.dir is not None:  # the step's writes too are done in its turn
                     if s.drafter is not None:
@@ -589,8 +588,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                     pace.done(s.step - 1)
             pace.finish(cfg.run.steps)
         except KeyboardInterrupt:
-            raise Interrupted(f"stopped at once by a second {stop.by or 'Ctrl-C'} in step {s.step + 1}; "
-                              f"{_resume_hint(s)}") from None
+            raise Interrupted(f"stopped at once by a second Ctrl-C in step {s.step + 1}; {_resume_hint(s)}") from None
         finally:
             if out is not None:
                 out.close()
