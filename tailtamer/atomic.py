@@ -38,6 +38,15 @@ def temp_dir(final: Path) -> Path:
 
 
 def _umask() -> int:
+    """The process's umask, read without setting it where Linux shows it: setting it, even for
+    an instant, would apply to files other threads create then (the checkpoint thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

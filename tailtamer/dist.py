@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -37,6 +38,7 @@ from tailtamer.device import collective_backend
 from tailtamer.errors import TailtamerError
 from tailtamer.stopping import Interrupted, StopRequest, exit_with_parent
 from tailtamer.rl.batching import Samples, balanced_shares_by_group, computed_mask, needed_width
+from tailtamer.rl.run_dir import has_checkpoint
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
@@ -347,7 +349,7 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
 
 def _resume_note(run_dir: str) -> str:
     """What a stopped run leaves to resume (checkpoints are written atomically)."""
-    if os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
+    if has_checkpoint(Path(run_dir)):
         return f"the last checkpoint in {run_dir}/checkpoints stays valid (tailtamer train --resume {run_dir})"
     return "no checkpoint was written yet, so there is nothing to resume"
 

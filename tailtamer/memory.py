@@ -417,7 +417,7 @@ def _advice(est: dict, piece: str) -> str:
                 "decode": "lower rollout.max_batch_size (or spec.bs_threshold: rows verified per step)",
                 "drafter_training": "lower spot.tokens_per_step"}[cause]
     if piece == "samples":
-        return "lower rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens"
+        return "lower rollout.prompts_per_step, rollout.group_size, rollout.max_new_tokens or data.n_eval"
     if piece == "reference":
         return "set rl.kl_coef=0 (no reference model)" + (" or run.dtype=bfloat16" if bf16 else "")
     if piece == "drafter":

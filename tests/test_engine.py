@@ -130,7 +130,7 @@ def test_context_limit_ends_with_length(model_dir):
 
 def test_a_response_limit_past_the_context_costs_only_the_context():
     """max_new_tokens far beyond the context: the sampling table is as wide as the longest
-    response can be (it was max_new_tokens wide: 80 GB here), and the draws are the same."""
+    response can be (it was max_new_tokens wide: 480 GB here), and the draws are the same."""
     engine = Engine(random_model(), config=EngineConfig(max_seq_len=24), eos_ids=())
     params = SamplingParams(temperature=1.0, n=3, seed=4)
     huge, _ = engine.generate([[5] * 15, [6] * 4], replace(params, max_new_tokens=10**10))

@@ -4,6 +4,7 @@ changed settings, torn metrics, corrupt checkpoints, failing disks and failing r
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,26 +38,56 @@ def test_a_run_name_belongs_to_one_run(toy, tmp_path):
 
 
 def test_a_run_killed_before_its_first_step_gives_its_name_back(toy, tmp_path):
-    """SIGTERM or SIGKILL in step 1 leaves the config and an empty metrics file, no checkpoint:
-    a resume says to start anew, and the same name then starts over in that directory. A
-    directory of other files is no run, and nothing is written into it."""
-    run = tmp_path / "runs" / "cut"
-    run.mkdir(parents=True)
+    """SIGTERM or SIGKILL in step 1 leaves the config (naming the run) and an empty metrics
+    file, no checkpoint: a resume says to start anew, and the same name then starts over in
+    that directory. A directory of other files, a config.yaml among them, is no run, and
+    nothing is written into it."""
     from tailtamer.config import to_dict
 
+    run = tmp_path / "runs" / "cut"
+    run.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(to_dict(load_train_config(None, toy + ["run.name=cut"]))))
     (run / "metrics.jsonl").write_text("")
-    with pytest.raises(CheckpointError, match=r"no checkpoint to resume from .*before its first step: start it anew "
-                                              r"with run.out_dir=.*runs run.name=cut"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint to resume from .*stopped in its first step: start it "
+                                              r"anew with `tailtamer train .*runs/cut/config.yaml`"):
         _train(toy, "run.steps=1", resume=run)
     _train(toy, "run.steps=1", "run.name=cut")
     assert len(_rows(run)) == 1
-    other = tmp_path / "runs" / "data"
-    other.mkdir()
-    (other / "mine.jsonl").write_text("{}\n")
-    with pytest.raises(ConfigError, match=r"runs/data is a directory of other files, not a run"):
-        _train(toy, "run.steps=1", "run.name=data")
-    assert sorted(p.name for p in other.iterdir()) == ["mine.jsonl"]
+    for name, files in (("data", {"mine.jsonl": "{}\n"}), ("proj", {"config.yaml": "run: {name: proj}\n",
+                                                                      "notes.txt": "mine"})):
+        other = tmp_path / "runs" / name
+        other.mkdir()
+        for file, text in files.items():
+            (other / file).write_text(text)
+        with pytest.raises(ConfigError, match=rf"runs/{name} is a directory of other files, not a run"):
+            _train(toy, "run.steps=1", f"run.name={name}")
+        assert {p.name: p.read_text() for p in other.iterdir()} == files
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # a step done, but no checkpoint (SIGKILL before it)
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    with pytest.raises(ConfigError, match=r"runs/cut holds a run with no checkpoint to resume from; give another"):
+        _train(toy, "run.steps=1", "run.name=cut")
+
+
+def test_without_a_name_a_run_passes_over_one_in_its_first_step(toy, tmp_path):
+    """A run still in its first step holds its directory's lock and only its config: a run
+    without a name takes the next free name instead of failing on the lock."""
+    from tailtamer.config import to_dict
+
+    busy = tmp_path / "runs" / "default"
+    busy.mkdir(parents=True)
+    (busy / "config.yaml").write_text(yaml.safe_dump(to_dict(load_train_config(None, toy + ["run.name=default"]))))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, time\n"
+        f"fd = os.open({str(busy / '.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)")], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        assert _train(toy, "run.steps=1")["run_dir"].endswith("/default-2")
+        with pytest.raises(ConfigError, match=r"runs/default is in use by another tailtamer run"):
+            _train(toy, "run.steps=1", "run.name=default")
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_checkpoints_have_the_permissions_the_umask_gives(toy, tmp_path):
@@ -242,7 +273,8 @@ def test_more_workers_than_prompts_is_a_startup_error(toy):
     with pytest.raises(ConfigError, match=r"run.workers: 5 workers but only 4 prompts per step.*set run.workers=4"):
         setup(cfg, log=quiet, workers=Workers(rank=0, world=5))
     cfg = load_train_config(None, toy + ["run.name=many"])
-    with pytest.raises(ConfigError, match=r"5 workers \(run.workers=0 starts one per core\) but only 4 prompts"):
+    with pytest.raises(ConfigError, match=r"5 workers \(run.workers=0 starts one per core, or per GPU\) but only 4 "
+                                          r"prompts.*set run.workers=4 or raise rollout.prompts_per_step and add prompts to data.train"):
         setup(cfg, log=quiet, workers=Workers(rank=0, world=5))
 
 

@@ -18,7 +18,7 @@ import torch
 from tailtamer.atomic import atomic_write_json, atomic_write_text, temp_dir
 from tailtamer.errors import CheckpointError
 from tailtamer.model.io import load_model, save_model
-from tailtamer.rl.run_dir import finished_a_step
+from tailtamer.rl.run_dir import has_checkpoint, unstarted_run
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, scheduler, state: dict,
@@ -74,10 +74,9 @@ def checkpoints_to_delete(accuracy: dict[str, float | None], keep: int, current:
 
 def latest_checkpoint(run_dir: Path) -> Path:
     pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        anew = "" if finished_a_step(run_dir) else \
-            f"; it stopped before its first step: start it anew with run.out_dir={run_dir.parent} " \
-            f"run.name={run_dir.name}, which reuses the directory"
+    if not has_checkpoint(run_dir):
+        anew = f"; it stopped in its first step: start it anew with `tailtamer train {run_dir / 'config.yaml'}`, " \
+            "which reuses the directory" if unstarted_run(run_dir) else ""
         raise CheckpointError(f"{run_dir}: no checkpoint to resume from (checkpoints/latest is missing){anew}")
     name = pointer.read_bytes().decode("utf-8", errors="replace").strip()
     if not re.fullmatch(r"step-\d{6,}", name):

@@ -190,7 +190,8 @@ def reward_caller(fn: Callable, name: str) -> Callable[[str, str, dict], object]
     return lambda response, answer, context: fn(response, answer)
 
 
-# float32 holds squares up to 3.4e38: a group's variance of rewards beyond ~1e18 overflows it
+# A step's rewards are float32 (at most 3.4e38), weighted and summed over functions and over a
+# group for its mean: 1e18 leaves room for any group and weights a run would use.
 MAX_REWARD = 1e18
 
 
@@ -213,8 +214,8 @@ def check_reward_value(value) -> float:
     if number != number or number in (float("inf"), float("-inf")):
         raise NotANumber(f"returned {number}")
     if abs(number) > MAX_REWARD:
-        raise NotANumber(f"returned {number:g}, beyond ±{MAX_REWARD:g}: the group's standard deviation, computed "
-                         f"in float32, would overflow")
+        raise NotANumber(f"returned {number:g}, beyond ±{MAX_REWARD:g}: the step's float32 rewards, weighted and "
+                         f"summed over a group, could overflow")
     return number
 
 

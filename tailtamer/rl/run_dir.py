@@ -24,6 +24,15 @@ from tailtamer.errors import ConfigError
 DEFAULT_NAME = "default"
 
 
+class RunDirBusy(ConfigError):
+    """A run that is still going holds the directory's lock."""
+
+
+# What a run writes before its first step ends: a directory of only these, its config naming
+# it and no step's metrics in it, is a run killed in its first step (SIGTERM or SIGKILL).
+STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard"}
+
+
 class RunDirLock:
     """The claim of one run directory (held until `release` or the process's end)."""
 
@@ -39,8 +48,8 @@ class RunDirLock:
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(self._fd)
             self._fd = None
-            raise ConfigError(f"{self.path} is in use by another tailtamer run (pid {holder}); wait for it to end "
-                              f"or give another run.name") from None
+            raise RunDirBusy(f"{self.path} is in use by another tailtamer run (pid {holder}); wait for it to end "
+                             f"or give another run.name") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -61,18 +70,34 @@ def finished_a_step(path: Path) -> bool:
     return (metrics.is_file() and metrics.stat().st_size > 0) or (path / "checkpoints").exists()
 
 
+def has_checkpoint(path: Path) -> bool:
+    return (path / "checkpoints" / "latest").is_file()
+
+
+def unstarted_run(path: Path) -> bool:
+    """A run killed in its first step: it holds nothing a new run under its name would lose."""
+    names = {p.name for p in path.iterdir()}
+    if "config.yaml" not in names or not names <= STARTED_FILES or finished_a_step(path):
+        return False
+    try:
+        return yaml.safe_load((path / "config.yaml").read_text())["run"]["name"] == path.name
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, TypeError, KeyError):
+        return False
+
+
 def _holds_a_run(path: Path) -> bool:
     """The directory holds a run that finished a step, or files of something else: either way
-    not ours to write into. A run that never finished a step (stopped by SIGTERM or SIGKILL in
-    its first, which leaves only its config) holds nothing a new run would lose."""
+    not ours to write into."""
     if not path.is_dir() or not any(p.name != ".lock" for p in path.iterdir()):
         return False
-    return finished_a_step(path) or not (path / "config.yaml").is_file()
+    return not unstarted_run(path)
 
 
 def _taken(path: Path) -> str:
-    if finished_a_step(path):
+    if has_checkpoint(path):
         return f"{path} already holds a run; continue it with `tailtamer train --resume {path}`, or give another run.name"
+    if finished_a_step(path):
+        return f"{path} holds a run with no checkpoint to resume from; give another run.name"
     return f"{path} is a directory of other files, not a run; give another run.name or run.out_dir"
 
 
@@ -99,7 +124,12 @@ def claim_run_dir(cfg, resume: Path | None):
         except OSError as e:
             raise ConfigError(f"run.out_dir: cannot create {path} ({e.strerror or e})") from None
         lock = RunDirLock(path, created=not any(path.iterdir()))
-        lock.acquire()
+        try:
+            lock.acquire()
+        except RunDirBusy:  # a run in its first step: without a name, take the next one
+            if name:
+                raise
+            continue
         if _holds_a_run(path):  # another run claimed it between our check and the lock
             lock.release()
             if name:

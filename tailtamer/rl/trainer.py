@@ -411,11 +411,13 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings), log)
     prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
     if prompts < workers.world:
-        auto = " (run.workers=0 starts one per core)" if cfg.run.workers == 0 else ""
+        auto = " (run.workers=0 starts one per core, or per GPU)" if cfg.run.workers == 0 else ""
+        more = " and ".join(fix for fix, short in (("raise rollout.prompts_per_step", cfg.rollout.prompts_per_step),
+                                                   ("add prompts to data.train", len(train_rows))) if short < workers.world)
         raise ConfigError(f"run.workers: {workers.world} workers{auto} but only {prompts} prompts per step "
                           f"(rollout.prompts_per_step={cfg.rollout.prompts_per_step}, {len(train_rows)} training "
                           f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: set "
-                          f"run.workers={prompts} or raise rollout.prompts_per_step")
+                          f"run.workers={prompts} or {more}")
     device = workers.device  # resolved once, by whoever made the worker (run_worker, train)
     dtype = train_dtype(cfg.run.dtype, device)
     # Before loading anything: what each worker will hold, and a refusal if it cannot fit.

@@ -95,7 +95,7 @@ class Engine:
         self.max_seq_len = min(config.max_seq_len or model.config.max_position_embeddings,
                                model.config.max_position_embeddings)
         self._cache: KVCache | None = None
-        self._uniforms: torch.Tensor | None = None  # (requests, max_new_tokens + 1) of this generate
+        self._uniforms: torch.Tensor | None = None  # (requests, longest response + 1) of this generate
 
     @property
     def proposer(self):
