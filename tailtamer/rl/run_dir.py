@@ -30,7 +30,7 @@ class RunDirBusy(ConfigError):
 
 # What a run writes before its first step ends: a directory of only these, its config naming
 # it and no step's metrics in it, is a run killed in its first step (SIGTERM or SIGKILL).
-STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard"}
+STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "wandb"}
 
 
 class RunDirLock:
