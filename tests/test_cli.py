@@ -204,6 +204,21 @@ def test_broken_model_directories_are_one_line_errors(model_dir, tmp_path, capsy
     assert not out.exists()
 
 
+def test_a_training_run_given_as_a_model_names_its_checkpoint(model_dir, tmp_path, capsys):
+    """A run directory, or its checkpoints/latest pointer, where a model directory belongs."""
+    run = tmp_path / "runs" / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("run: {name: r}\n")
+    (run / "checkpoints" / "latest").write_text("step-000040\n")
+    for given, message in ((run, f"{run} is a training run, not a model; give one of its checkpoints: "
+                                 f"{run / 'checkpoints'}/step-N"),
+                           (run / "checkpoints" / "latest", f"is the run's pointer to its newest checkpoint; give "
+                                                            f"that checkpoint: {run / 'checkpoints' / 'step-000040'}")):
+        assert _generate(given, tmp_path) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
+
+
 def _generate(model_dir, tmp_path, *extra, out=None):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
     return main(["generate", "--model", str(model_dir), "--prompts", str(prompts),
