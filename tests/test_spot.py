@@ -23,6 +23,20 @@ T1 = SamplingParams(temperature=1.0)
 H = 4
 
 
+def add_batch(buf: DataBuffer, step: int, ids: torch.Tensor, hidden: torch.Tensor,
+              response_mask: torch.Tensor) -> int:
+    """Add every sample of a (B, T) batch, with the hidden states of a forward over all of it,
+    whose `response_mask` (B, T - 1; True where the next token is a response token, as the RL
+    step builds it) has any token, through `add_response`. Returns the number added."""
+    added = 0
+    for b in range(ids.shape[0]):
+        where = response_mask[b].nonzero()
+        if len(where):
+            end = int(where[-1]) + 2
+            added += buf.add_response(step, ids[b, :end].tolist(), int(where[0]) + 1, hidden[b, :end])
+    return added
+
+
 def _position_hidden(length: int, offset: float = 0.0) -> torch.Tensor:
     """hidden[t] = (t + offset) in every channel, so alignment errors are visible."""
     return (torch.arange(length, dtype=torch.float) + offset)[:, None].expand(length, H).clone()
@@ -39,7 +53,7 @@ def test_buffer_pairs_align_h_t_with_x_t_plus_1_over_response_tokens():
     ids, mask = response_batch(batch, [C(0, [8, 9, 1]), C(1, [4, 1])], pad_id=0)
     hidden = torch.stack([_position_hidden(ids.shape[1], 100 * b) for b in range(2)])
     buf = DataBuffer(10**6)
-    assert buf.add_batch(step=3, ids=ids, hidden=hidden, response_mask=mask) == 2
+    assert add_batch(buf, step=3, ids=ids, hidden=hidden, response_mask=mask) == 2
     first, second = buf.entries
     assert first.tokens.tolist() == [5, 6, 7, 8, 9, 1] and first.response_start == 3
     assert second.tokens.tolist() == [5, 6, 4, 1] and second.response_start == 2  # padding cut off
@@ -112,7 +126,7 @@ def _buffer_from_target(target, n=12, seed=0):
                 _, hidden = target(ids)
             mask = torch.zeros(1, 23, dtype=torch.bool)
             mask[0, 4:] = True
-            buf.add_batch(step, ids, hidden, mask)
+            add_batch(buf, step, ids, hidden, mask)
     return buf
 
 
@@ -197,7 +211,7 @@ def _rollout_and_estimate(model, drafter, prompts, strategy: str, temperature: f
     ids, mask = response_batch([{"prompt_ids": p} for p in prompts], completions, pad_id=0)
     buf = DataBuffer(10**9)
     with torch.no_grad():
-        buf.add_batch(0, ids, model(ids)[1], mask)
+        add_batch(buf, 0, ids, model(ids)[1], mask)
     estimate, _ = estimate_accept_length(drafter, list(buf.entries), Strategy.parse(strategy).depth, params,
                                          budget=10**9)
     return stats.accept_len_mean, estimate
@@ -302,7 +316,7 @@ def test_the_estimate_of_a_rollout_entry_is_that_of_the_whole_response():
     whole, rollout = DataBuffer(1 << 24), DataBuffer(1 << 24)
     mask = torch.zeros(4, 29, dtype=torch.bool)
     mask[:, 5:] = True  # prompts of 6 tokens
-    whole.add_batch(0, ids, hidden, mask)
+    add_batch(whole, 0, ids, hidden, mask)
     for b in range(4):
         rollout.add_response(0, ids[b].tolist(), 6, hidden[b, :-1])
     a = estimate_accept_length(drafter, whole.newest(), 3, T1)

@@ -64,18 +64,6 @@ class DataBuffer:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add_batch(self, step: int, ids: torch.Tensor, hidden: torch.Tensor, response_mask: torch.Tensor) -> int:
-        """Add every sample of a (B, T) batch, with the hidden states of a forward over all of it,
-        whose `response_mask` (B, T − 1; True where the next token is a response token, as the
-        RL step builds it) has any token. Returns the number added."""
-        added = 0
-        for b in range(ids.shape[0]):
-            where = response_mask[b].nonzero()
-            if len(where):
-                end = int(where[-1]) + 2
-                added += self.add_response(step, ids[b, :end].tolist(), int(where[0]) + 1, hidden[b, :end])
-        return added
-
     def add_response(self, step: int, tokens: list[int], response_start: int, hidden: torch.Tensor) -> bool:
         """Add one response from the rollout: all its tokens, and the hidden states (R, H) of the
         first R, the ones a forward consumed (every one, or all but the last), copied (the
