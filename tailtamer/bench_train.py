@@ -66,7 +66,7 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
     arms' median steps over every step of every repeat, and the median of the per-step ratios
     (step i off / step i SD, seconds apart)."""
     from tailtamer.config import load_train_config
-    from tailtamer.rl.trainer import prepare
+    from tailtamer.rl.run_state import prepare
 
     def args(name: str, r: int) -> list[str]:
         return [f"run.steps={steps}", f"run.name={name}-{r}", f"run.out_dir={out_dir}", "run.eval_every=0",

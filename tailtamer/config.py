@@ -81,7 +81,8 @@ class RunConfig:
     seed: int = f(0, "seeds data order, sampling and initialisation")
     max_bad_steps: int = f(3, "stop (with a checkpoint) after this many NaN/inf losses in a row")
     loggers: tuple[str, ...] = f((), "extra loggers besides metrics.jsonl: tensorboard, wandb (offline unless WANDB_MODE)")
-    workers: int = f(0, "worker processes on this machine (0 = one per CPU core); torchrun sets them itself")
+    workers: int = f(0, "worker processes on this machine (0 = one per CPU core or GPU, at most one per prompt "
+                        "of a step); torchrun sets them itself")
     dist_timeout_s: float = f(300.0, "a worker silent for this long in a collective stops the run")
     device: str | None = f(None, "cpu, cuda or cuda:N (each worker takes its own GPU); empty = cuda when this "
                                  "PyTorch sees a GPU, else cpu")

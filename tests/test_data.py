@@ -146,7 +146,7 @@ def test_a_raw_gsm8k_file_trains_with_math_rewards(model_dir, tmp_path):
 
 
 def test_a_file_without_eval_prompts_holds_some_out_and_says_so(model_dir, tmp_path):
-    from tailtamer.rl.trainer import prepare, setup
+    from tailtamer.rl.run_state import prepare, setup
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(40)])
     base = [f"run.model={model_dir}", f"data.train={data}", f"run.out_dir={tmp_path}", "spec.mode=off", "data.n_eval=8"]

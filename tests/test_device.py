@@ -9,7 +9,8 @@ import torch
 
 from tailtamer.config import load_train_config
 from tailtamer.errors import ConfigError
-from tailtamer.rl.trainer import prepare, setup, train
+from tailtamer.rl.run_state import prepare, setup
+from tailtamer.rl.trainer import train
 from test_trainer import TIME_FIELDS, _rows
 
 
@@ -70,14 +71,14 @@ def test_a_missing_gpu_is_a_startup_error_that_writes_nothing(toy, tmp_path):
 
 
 def test_a_run_that_cannot_fit_is_refused_before_loading_and_writes_nothing(toy, tmp_path, monkeypatch):
-    import tailtamer.rl.trainer as trainer
+    import tailtamer.rl.run_state as run_state
 
     lines = []
     train(load_train_config(None, toy + ["run.steps=1", "run.name=fits"]), log=lines.append, console=lambda _: None)
     estimate = next(line for line in lines if line.startswith("memory per worker:"))
     assert "KV cache" in estimate and "optimizer" in estimate
-    monkeypatch.setattr(trainer, "available_memory", lambda *a, **k: 1 << 20)  # 1 MiB free
-    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: pytest.fail("loaded a model that cannot fit"))
+    monkeypatch.setattr(run_state, "available_memory", lambda *a, **k: 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(run_state, "load_model", lambda *a, **k: pytest.fail("loaded a model that cannot fit"))
     with pytest.raises(ConfigError) as e:
         train(load_train_config(None, toy + ["run.name=huge"]), log=lambda _: None)
     # one line naming the largest piece (here the update's activations) and what shrinks it

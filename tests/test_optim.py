@@ -22,7 +22,7 @@ def test_schedules_by_hand():
 def test_a_run_follows_the_schedule_and_the_adamw_settings(toy, tmp_path):
     from test_rl_options import _run
     from tailtamer.config import load_train_config
-    from tailtamer.rl.trainer import prepare, setup
+    from tailtamer.rl.run_state import prepare, setup
 
     rows = _run(toy + ["run.steps=4", "rl.minibatches=1", "rl.warmup=1", "rl.lr=1e-3", "rl.lr_schedule=cosine",
                        "rl.min_lr_ratio=0.1"], "cosine")
@@ -83,7 +83,8 @@ def test_a_run_keeps_the_best_checkpoint_by_held_out_accuracy(toy, tmp_path):
 
 def test_a_resume_takes_changed_optimizer_settings_from_the_config(toy, tmp_path):
     from tailtamer.config import load_train_config
-    from tailtamer.rl.trainer import prepare, setup, train
+    from tailtamer.rl.run_state import prepare, setup
+    from tailtamer.rl.trainer import train
 
     train(load_train_config(None, toy + ["run.steps=2", "run.save_every=2", "rl.lr=1e-3", "rl.warmup=0",
                                          "run.name=r"]), log=lambda _: None, console=lambda _: None)

@@ -177,6 +177,23 @@ def test_a_reward_with_another_signature_is_a_start_up_error(tmp_path):
         RewardScorer(f"{tmp_path / 'bad.py'}:compute_score")
 
 
+def test_a_reward_naming_response_and_answer_gets_each_by_name():
+    """`fn(answer, response)` must not get the response as its answer; other names go in order."""
+    from tailtamer.rl.rewards import reward_caller
+
+    def swapped(answer, response):
+        return float(response == "r" and answer == "a")
+
+    def plain(x, y):
+        return float(x == "r" and y == "a")
+
+    def positional_only(answer, response, /):  # names that cannot be passed by name: in order
+        return float(answer == "r" and response == "a")
+
+    for fn in (swapped, plain, positional_only):
+        assert reward_caller(fn, fn.__name__)("r", "a", {}) == 1.0, fn.__name__
+
+
 def test_a_dict_reward_needs_a_score():
     from tailtamer.rl.rewards import NotANumber, check_reward_value
 

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import write_jsonl
 from tailtamer.config import load_train_config
-from tailtamer.rl.trainer import prepare, setup, train
+from tailtamer.rl.run_state import prepare, setup
+from tailtamer.rl.trainer import train
 from test_trainer import _rows
 
 NO_SIGNAL = '''

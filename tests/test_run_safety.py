@@ -16,6 +16,7 @@ import yaml
 from tailtamer.config import load_train_config
 from tailtamer.errors import CheckpointError, ConfigError
 from tailtamer.rl.trainer import TrainingError, launch, train
+from conftest import write_jsonl
 from test_trainer import _comparable, _rows
 
 
@@ -265,17 +266,35 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers):
     assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "straight"))
 
 
-def test_more_workers_than_prompts_is_a_startup_error(toy):
+def test_more_workers_than_prompts_is_a_startup_error(toy, monkeypatch):
     from tailtamer.dist import Workers
-    from tailtamer.rl.trainer import setup
+    from tailtamer.rl.run_state import setup
 
     cfg = load_train_config(None, toy + ["run.name=many", "run.workers=5"])
-    with pytest.raises(ConfigError, match=r"run.workers: 5 workers but only 4 prompts per step.*set run.workers=4"):
+    with pytest.raises(ConfigError, match=r"run.workers: 5 workers but only 4 prompts per step.*set run.workers=4 "
+                                          r"or raise rollout.prompts_per_step and add prompts to data.train"):
         setup(cfg, log=quiet, workers=Workers(rank=0, world=5))
-    cfg = load_train_config(None, toy + ["run.name=many"])
-    with pytest.raises(ConfigError, match=r"5 workers \(run.workers=0 starts one per core, or per GPU\) but only 4 "
-                                          r"prompts.*set run.workers=4 or raise rollout.prompts_per_step and add prompts to data.train"):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun chose the count, not run.workers
+    with pytest.raises(ConfigError, match=r"torchrun started 5 workers but only 4 prompts.*start at most 4 processes"):
         setup(cfg, log=quiet, workers=Workers(rank=0, world=5))
+
+
+def test_an_automatic_worker_count_is_capped_by_the_training_prompts(toy, tmp_path, monkeypatch):
+    """run.workers=0 on a machine with more cores than the data has prompts starts one worker
+    per prompt (here one prompt: the run goes on in this process) instead of refusing."""
+    from tailtamer.rl import trainer
+
+    one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "ab", "answer": "0"}])
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(trainer, "spawn", lambda *a, **k: pytest.fail("spawned workers for one prompt"))
+    printed = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
+    summary = trainer.launch(load_train_config(None, toy + ["run.name=one", f"data.train={one}", "run.steps=1"]),
+                             console=quiet)
+    assert summary["workers"] == 1 and summary["steps"] == 1
+    assert any(line.startswith("run.workers=0: 1 worker rather than one per core, as a step has only 1 prompt to "
+                               f"share (rollout.prompts_per_step=4, data.train={one})") for line in printed), printed
 
 
 def test_files_of_runs_written_before_the_renames_still_resume(tmp_path):

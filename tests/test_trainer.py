@@ -126,7 +126,8 @@ def test_micro_batching_does_not_change_the_update(toy, tmp_path):
     loss aggregation (the token weights are computed over the whole minibatch)."""
     import torch
 
-    from tailtamer.rl.trainer import rl_step, setup
+    from tailtamer.rl.run_state import setup
+    from tailtamer.rl.trainer import rl_step
 
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         grads = []
@@ -150,7 +151,8 @@ def test_the_on_policy_minibatch_takes_its_old_log_probs_from_the_update(toy, mo
     import torch
 
     from tailtamer.rl import grpo, trainer
-    from tailtamer.rl.trainer import rl_step, setup
+    from tailtamer.rl.run_state import setup
+    from tailtamer.rl.trainer import rl_step
 
     expected, seen = [], []
     skipping, loss = trainer.old_log_probs, grpo.POLICY_LOSSES["ppo-clip"]
@@ -345,7 +347,8 @@ def test_the_drafter_learns_from_every_response_whatever_the_policy_loss_keeps(t
     responses, which the accept-length estimate used to crash on."""
     from tailtamer.model.drafter import init_drafter, save_drafter
     from tailtamer.model.io import load_model
-    from tailtamer.rl.trainer import prepare, rl_step, setup
+    from tailtamer.rl.run_state import prepare, setup
+    from tailtamer.rl.trainer import rl_step
 
     drafter_dir = tmp_path / "drafter"
     save_drafter(init_drafter(load_model(model_dir), seed=3), drafter_dir)
@@ -432,7 +435,8 @@ def test_skipping_zero_advantage_samples_leaves_the_gradient_as_it_was(model_dir
     one computed over all 32, for every loss aggregation and both policy losses."""
     import torch
 
-    from tailtamer.rl.trainer import rl_step, setup
+    from tailtamer.rl.run_state import setup
+    from tailtamer.rl.trainer import rl_step
 
     for extra in (["rl.loss_agg=token-mean"], ["rl.loss_agg=seq-mean-token-mean"],
                   ["rl.loss_agg=seq-mean-token-sum-norm"], ["rl.policy_loss=gspo"]):
@@ -456,7 +460,8 @@ def test_a_step_whose_samples_all_have_advantage_0_still_steps_the_optimizer(mod
     so four steps end with the weights they end with without skipping."""
     import torch
 
-    from tailtamer.rl.trainer import rl_step, setup
+    from tailtamer.rl.run_state import setup
+    from tailtamer.rl.trainer import rl_step
 
     weights, kinds = [], []
     for skip in ("false", "true"):

@@ -158,8 +158,9 @@ ACCEPTED_SIGNATURES = ("fn(response, answer), or verl's compute_score(data_sourc
 def reward_caller(fn: Callable, name: str) -> Callable[[str, str, dict], object]:
     """`call(response, answer, context)` for a reward function, chosen once from its signature:
     verl's keywords when it names `solution_str` and `ground_truth` (`data_source` and
-    `extra_info` come from the row's context), else two positional arguments. Any other
-    signature is a ConfigError naming the accepted ones."""
+    `extra_info` come from the row's context), else `response` and `answer` by name when it
+    names both, else two positional arguments. Any other signature is a ConfigError naming the
+    accepted ones."""
     import inspect
 
     try:
@@ -182,6 +183,12 @@ def reward_caller(fn: Callable, name: str) -> Callable[[str, str, dict], object]
                      "extra_info": context.get("extra_info")}
             return fn(**{k: v for k, v in given.items() if k in names})
         return verl
+    if "response" in params and "answer" in params:  # by name, so `fn(answer, response)` gets each right
+        try:
+            sig.bind(response=None, answer=None)
+            return lambda response, answer, context: fn(response=response, answer=answer)
+        except TypeError:  # positional-only parameters: passed in order, as below
+            pass
     try:
         sig.bind("response", "answer")
     except TypeError:

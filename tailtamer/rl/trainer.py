@@ -6,15 +6,16 @@ of the drafter on workers whose shard is done, preempted when the last one finis
 failures checked over all workers -> advantages -> old log-probs (the on-policy first
 minibatch's from the update's own forward, later minibatches' from one no-grad forward) ->
 data-parallel policy update (samples of advantage 0 skipped: their gradient is 0) -> drafter
-publish -> weight check -> metrics. Everything around it (setup, evaluation, checkpoints,
-logging) lives in `train`; processes and the c10d store live in tailtamer/dist.py.
+publish -> weight check -> metrics. Everything around it (evaluation, checkpoints, logging)
+lives in `train`; what a worker loads for a run, in tailtamer/rl/run_state.py; processes and
+the c10d store, in tailtamer/dist.py.
 
 Choices: each worker's rollout engine runs its own copy of the policy module, and every worker
 applies the same summed gradient, so "weight sync" is a checksum of what every engine will run
 next, compared across workers. Step s takes the next prompts of shuffled passes over the data
 (`PromptOrder`, a function of (seed, s)) and samples from streams keyed by (seed, s, global
-prompt index, sample): a resumed run repeats an
-uninterrupted one, and N workers sample what one worker would.
+prompt index, sample): a resumed run repeats an uninterrupted one, and N workers sample what
+one worker would.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,30 +30,21 @@ import yaml
 
 from tailtamer.atomic import atomic_write_json, atomic_write_text
 from tailtamer.config import TrainConfig, to_dict
-from tailtamer.device import autocast, device_memory, gpu_count, resolve_device, train_device, train_dtype
-from tailtamer.memory import available_memory, check_fits, estimate_for, format_estimate
+from tailtamer.device import autocast, gpu_count, resolve_device, train_device
 from tailtamer.dist import Workers, resolve_workers, spawn
-from tailtamer.drafter.adaptive import AdaptiveDrafter
 from tailtamer.errors import ConfigError, TailtamerError
-from tailtamer.metrics import RunLog, check_loggers, run_summary
-from tailtamer.model.drafter import load_drafter, weights_checksum
-from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
-from tailtamer.model.tokenizer import load_tokenizer
+from tailtamer.metrics import RunLog, run_summary
+from tailtamer.model.drafter import weights_checksum
 from tailtamer.pace import ENV as PACE_ENV, Pace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
 from tailtamer.rl.batching import Samples, minibatch_of, response_batch, update_plan
-from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from tailtamer.rl.data import PromptOrder, datasets
-from tailtamer.rl.optim import make_optimizer
-from tailtamer.rl.rewards import RewardScorer, check_routes, merge_failures
-from tailtamer.rl.sharding import SHARDINGS, Replicated
-from tailtamer.rl.run_dir import DEFAULT_NAME, claim_run_dir, keep_metrics_through, record_resume, resume_changes
+from tailtamer.rl.checkpoint import save_checkpoint
+from tailtamer.rl.rewards import merge_failures
+from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_resume, resume_changes
+from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, setup, training_prompts
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics
-from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
-from tailtamer.rollout.speculative import Strategy
-from tailtamer.rollout.speculator import make_speculator
 from tailtamer.stopping import Interrupted, StopRequest
 
 
@@ -89,32 +80,6 @@ def checked_rewards(s: RunState, scored: list[list[tuple[float, bool]]]) -> tupl
                               f"{name}): " + "; ".join(mine or [e["first"] for e in kinds]))
     by_name = {name: [parts[j][0] for parts in scored] for j, name in enumerate(names)}
     return torch.tensor([s.scorer.total(parts)[0] for parts in scored]), by_name
-
-
-@dataclass
-class RunState:
-    cfg: TrainConfig
-    run_dir: Path
-    model: torch.nn.Module
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    engine: Engine
-    scorer: RewardScorer
-    train_rows: list[dict]
-    eval_rows: list[dict]
-    order: PromptOrder  # which training rows each step takes
-    sharding: Replicated  # how the update's copy of the policy lies over the workers (run.shard)
-    workers: Workers = field(default_factory=Workers)
-    ref_model: torch.nn.Module | None = None
-    drafter: AdaptiveDrafter | None = None  # the adaptive drafter, when one is trained
-    dtype: torch.dtype = torch.float32  # of the training forwards (run.dtype; weights stay float32)
-    step: int = 0
-    saved_step: int | None = None  # the step of the newest checkpoint
-    bad_steps: int = 0
-    skipped_prompts: int = 0
-    history: list[dict] = field(default_factory=list)
-    eval_at_start: float | None = None
 
 
 def rl_step(s: RunState) -> dict:
@@ -376,97 +341,6 @@ def evaluate_greedy(s: RunState) -> float | None:
     return s.workers.sum(torch.tensor(float(correct))).item() / len(rows)
 
 
-def prompt_limit(cfg: TrainConfig, context: int) -> int:
-    """Longer prompts are skipped: data.max_prompt_tokens, or the model's context less the
-    one token a response needs at least."""
-    return min(cfg.data.max_prompt_tokens, context - 1)
-
-
-def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
-    """Resolve the built-ins into paths, once, before workers load anything: the base model
-    (trained by `tailtamer sft` on first use) and its warm-up drafter."""
-    model = cfg.run.model
-    if model is None:
-        from tailtamer.sft import SFTConfig, ensure_base_model
-
-        model = str(ensure_base_model(SFTConfig(), log=log))
-    spec = cfg.spec
-    if spec.drafter == "builtin" and spec.mode != "off":
-        from tailtamer.drafter.train import ensure_builtin_drafter
-
-        drafter_dir = ensure_builtin_drafter(Path(model), log=log)
-        spec = replace(spec, drafter=str(drafter_dir))
-    return replace(cfg, run=replace(cfg.run, model=model), spec=spec)
-
-
-def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Workers | None = None) -> RunState:
-    """Load everything a worker needs for `cfg` (already `prepare`d)."""
-    workers = workers or Workers(device=train_device(cfg.run.device, 0))
-    check_loggers(cfg.run.loggers)
-    run_dir = _run_dir(cfg, resume)
-    model_dir = Path(cfg.run.model)
-    tokenizer = load_tokenizer(model_dir)
-    model_cfg = load_config(model_dir)
-    check_tokenizer_fits(tokenizer, model_cfg, model_dir)
-    train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings), log)
-    prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
-    if prompts < workers.world:
-        auto = " (run.workers=0 starts one per core, or per GPU)" if cfg.run.workers == 0 else ""
-        more = " and ".join(fix for fix, short in (("raise rollout.prompts_per_step", cfg.rollout.prompts_per_step),
-                                                   ("add prompts to data.train", len(train_rows))) if short < workers.world)
-        raise ConfigError(f"run.workers: {workers.world} workers{auto} but only {prompts} prompts per step "
-                          f"(rollout.prompts_per_step={cfg.rollout.prompts_per_step}, {len(train_rows)} training "
-                          f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: set "
-                          f"run.workers={prompts} or {more}")
-    device = workers.device  # resolved once, by whoever made the worker (run_worker, train)
-    dtype = train_dtype(cfg.run.dtype, device)
-    # Before loading anything: what each worker will hold, and a refusal if it cannot fit.
-    need = estimate_for(cfg, model_cfg, workers.world, dtype.itemsize, device_type=device.type)
-    available = available_memory(device.type, lambda: device_memory(device))
-    if available is not None and device.type == "cpu":  # the machine's memory, shared by its workers
-        available //= int(os.environ.get("LOCAL_WORLD_SIZE", workers.world))
-    log(format_estimate(need, available))
-    check_fits(need, available, str(device))
-    sharding = SHARDINGS[cfg.run.shard](workers)
-    if "auto" in cfg.rl.reward:
-        check_routes(train_rows, cfg.data.train)
-        check_routes(eval_rows, cfg.data.eval or cfg.data.train)
-    scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s, cfg.rl.reward_weights)
-    # The optimizer steps the copy the update trains: the engine's module itself, or its shards.
-    make_opt = lambda model: make_optimizer(sharding.wrap(model), cfg.rl, cfg.run.steps)  # noqa: E731
-    state = {"step": 0}
-    if resume is not None:
-        checkpoint = latest_checkpoint(run_dir)
-        model, optimizer, scheduler, state = load_checkpoint(checkpoint, make_opt, device=device,
-                                                             load_optimizer_state=sharding.load_optimizer_state)
-        log(f"resuming {run_dir} from {checkpoint.name}")
-    else:
-        model = load_model(model_dir, device=device)  # float32: the master weights the rollout also runs
-        optimizer, scheduler = make_opt(model)
-    sharding.policy.grad_checkpointing = cfg.rl.grad_checkpointing
-    ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
-                    speculator=make_speculator(cfg.spec, model))
-    adaptive = None
-    # With one worker and no training window there is no time to train the drafter in.
-    trains = workers.world > 1 or cfg.spot.single_worker == "window"
-    if cfg.spot.train and trains and engine.proposer is not None and engine.proposer.drafter is not None:
-        if resume is not None and (checkpoint / "drafter").is_dir():
-            engine.proposer.drafter.load_state_dict(load_drafter(checkpoint / "drafter", model).state_dict())
-        frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
-        score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
-        adaptive = AdaptiveDrafter(engine.proposer.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
-                                   Strategy.parse(cfg.spec.strategy).depth, score, frozen)
-    order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
-    return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
-                    order, sharding, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
-                    saved_step=state["step"] if resume is not None else None)
-
-
-def _run_dir(cfg: TrainConfig, resume: Path | None) -> Path:
-    return resume or Path(cfg.run.out_dir) / (cfg.run.name or DEFAULT_NAME)
-
-
 def _checkpoint(s: RunState) -> None:
     """Worker 0 writes it: every worker holds the same weights (checked each step). A write
     that fails (full disk, read-only directory) stops the run; the last good one stays."""
@@ -641,6 +515,15 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
     cfg, lock = claim_run_dir(cfg, resume)
     try:
         cfg = prepare(cfg)
-        return spawn(world, run_worker, (cfg, resume, console, True), str(_run_dir(cfg, resume)))
+        if cfg.run.workers == 0:  # automatic: no more workers than a step has prompts to shard
+            prompts = training_prompts(cfg)
+            if prompts < world:
+                world = max(1, prompts)
+                print(f"run.workers=0: {world} worker{'s' * (world > 1)} rather than one per core, as a step has "
+                      f"only {prompts} prompt{'s' * (prompts != 1)} to share (rollout.prompts_per_step={cfg.rollout.prompts_per_step}, "
+                      f"data.train={cfg.data.train})")
+        if world == 1:
+            return train(cfg, resume, console=console, claimed=True)
+        return spawn(world, run_worker, (cfg, resume, console, True), str(run_dir_of(cfg, resume)))
     finally:
         lock.release(remove_if_unused=True)

@@ -1,0 +1,162 @@
+"""What a worker of `tailtamer train` holds for a run (`RunState`), and how it is loaded:
+the built-ins resolved once (`prepare`), then the data, model, optimizer, engine, reward
+scorer and adaptive drafter (`setup`), after a memory estimate that refuses a run that cannot
+fit before anything is loaded."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from tailtamer.config import TrainConfig
+from tailtamer.device import device_memory, train_device, train_dtype
+from tailtamer.dist import Workers
+from tailtamer.drafter.adaptive import AdaptiveDrafter
+from tailtamer.errors import ConfigError
+from tailtamer.memory import available_memory, check_fits, estimate_for, format_estimate
+from tailtamer.metrics import check_loggers
+from tailtamer.model.drafter import load_drafter
+from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
+from tailtamer.model.tokenizer import load_tokenizer
+from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint
+from tailtamer.rl.data import PromptOrder, datasets
+from tailtamer.rl.optim import make_optimizer
+from tailtamer.rl.rewards import RewardScorer, check_routes
+from tailtamer.rl.run_dir import DEFAULT_NAME
+from tailtamer.rl.sharding import SHARDINGS, Replicated
+from tailtamer.rollout.engine import Engine, EngineConfig
+from tailtamer.rollout.sampling import SamplingParams
+from tailtamer.rollout.speculative import Strategy
+from tailtamer.rollout.speculator import make_speculator
+
+
+@dataclass
+class RunState:
+    cfg: TrainConfig
+    run_dir: Path
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    engine: Engine
+    scorer: RewardScorer
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    order: PromptOrder  # which training rows each step takes
+    sharding: Replicated  # how the update's copy of the policy lies over the workers (run.shard)
+    workers: Workers = field(default_factory=Workers)
+    ref_model: torch.nn.Module | None = None
+    drafter: AdaptiveDrafter | None = None  # the adaptive drafter, when one is trained
+    dtype: torch.dtype = torch.float32  # of the training forwards (run.dtype; weights stay float32)
+    step: int = 0
+    saved_step: int | None = None  # the step of the newest checkpoint
+    bad_steps: int = 0
+    skipped_prompts: int = 0
+    history: list[dict] = field(default_factory=list)
+    eval_at_start: float | None = None
+
+
+def prompt_limit(cfg: TrainConfig, context: int) -> int:
+    """Longer prompts are skipped: data.max_prompt_tokens, or the model's context less the
+    one token a response needs at least."""
+    return min(cfg.data.max_prompt_tokens, context - 1)
+
+
+def training_prompts(cfg: TrainConfig) -> int:
+    """How many prompts a step of `cfg` (already `prepare`d) rolls out: rollout.prompts_per_step,
+    or fewer when the training data has fewer (after the held-out split and skipped prompts)."""
+    model_dir = Path(cfg.run.model)
+    tokenizer = load_tokenizer(model_dir)
+    limit = prompt_limit(cfg, load_config(model_dir).max_position_embeddings)
+    train_rows = datasets(cfg, tokenizer, limit, log=lambda _: None)[0]
+    return min(cfg.rollout.prompts_per_step, len(train_rows))
+
+
+def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
+    """Resolve the built-ins into paths, once, before workers load anything: the base model
+    (trained by `tailtamer sft` on first use) and its warm-up drafter."""
+    model = cfg.run.model
+    if model is None:
+        from tailtamer.sft import SFTConfig, ensure_base_model
+
+        model = str(ensure_base_model(SFTConfig(), log=log))
+    spec = cfg.spec
+    if spec.drafter == "builtin" and spec.mode != "off":
+        from tailtamer.drafter.train import ensure_builtin_drafter
+
+        drafter_dir = ensure_builtin_drafter(Path(model), log=log)
+        spec = replace(spec, drafter=str(drafter_dir))
+    return replace(cfg, run=replace(cfg.run, model=model), spec=spec)
+
+
+def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Workers | None = None) -> RunState:
+    """Load everything a worker needs for `cfg` (already `prepare`d)."""
+    workers = workers or Workers(device=train_device(cfg.run.device, 0))
+    check_loggers(cfg.run.loggers)
+    run_dir = run_dir_of(cfg, resume)
+    model_dir = Path(cfg.run.model)
+    tokenizer = load_tokenizer(model_dir)
+    model_cfg = load_config(model_dir)
+    check_tokenizer_fits(tokenizer, model_cfg, model_dir)
+    train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings), log)
+    prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
+    if prompts < workers.world:
+        more = " and ".join(fix for fix, short in (("raise rollout.prompts_per_step", cfg.rollout.prompts_per_step),
+                                                   ("add prompts to data.train", len(train_rows))) if short < workers.world)
+        # `tailtamer train` caps an automatic count itself; torchrun's count is its own.
+        started = ("torchrun started", f"start at most {prompts} processes") if "TORCHELASTIC_RUN_ID" in os.environ \
+            else ("run.workers:", f"set run.workers={prompts}")
+        raise ConfigError(f"{started[0]} {workers.world} workers but only {prompts} prompts per step "
+                          f"(rollout.prompts_per_step={cfg.rollout.prompts_per_step}, {len(train_rows)} training "
+                          f"prompts in {cfg.data.train}); every worker needs a prompt to roll out: "
+                          f"{started[1]} or {more}")
+    device = workers.device  # resolved once, by whoever made the worker (run_worker, train)
+    dtype = train_dtype(cfg.run.dtype, device)
+    # Before loading anything: what each worker will hold, and a refusal if it cannot fit.
+    need = estimate_for(cfg, model_cfg, workers.world, dtype.itemsize, device_type=device.type)
+    available = available_memory(device.type, lambda: device_memory(device))
+    if available is not None and device.type == "cpu":  # the machine's memory, shared by its workers
+        available //= int(os.environ.get("LOCAL_WORLD_SIZE", workers.world))
+    log(format_estimate(need, available))
+    check_fits(need, available, str(device))
+    sharding = SHARDINGS[cfg.run.shard](workers)
+    if "auto" in cfg.rl.reward:
+        check_routes(train_rows, cfg.data.train)
+        check_routes(eval_rows, cfg.data.eval or cfg.data.train)
+    scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s, cfg.rl.reward_weights)
+    # The optimizer steps the copy the update trains: the engine's module itself, or its shards.
+    make_opt = lambda model: make_optimizer(sharding.wrap(model), cfg.rl, cfg.run.steps)  # noqa: E731
+    state = {"step": 0}
+    if resume is not None:
+        checkpoint = latest_checkpoint(run_dir)
+        model, optimizer, scheduler, state = load_checkpoint(checkpoint, make_opt, device=device,
+                                                             load_optimizer_state=sharding.load_optimizer_state)
+        log(f"resuming {run_dir} from {checkpoint.name}")
+    else:
+        model = load_model(model_dir, device=device)  # float32: the master weights the rollout also runs
+        optimizer, scheduler = make_opt(model)
+    sharding.policy.grad_checkpointing = cfg.rl.grad_checkpointing
+    ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
+                    speculator=make_speculator(cfg.spec, model))
+    adaptive = None
+    # With one worker and no training window there is no time to train the drafter in.
+    trains = workers.world > 1 or cfg.spot.single_worker == "window"
+    if cfg.spot.train and trains and engine.proposer is not None and engine.proposer.drafter is not None:
+        if resume is not None and (checkpoint / "drafter").is_dir():
+            engine.proposer.drafter.load_state_dict(load_drafter(checkpoint / "drafter", model).state_dict())
+        frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
+        score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
+        adaptive = AdaptiveDrafter(engine.proposer.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
+                                   Strategy.parse(cfg.spec.strategy).depth, score, frozen)
+    order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
+    return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
+                    order, sharding, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
+                    saved_step=state["step"] if resume is not None else None)
+
+
+def run_dir_of(cfg: TrainConfig, resume: Path | None) -> Path:
+    return resume or Path(cfg.run.out_dir) / (cfg.run.name or DEFAULT_NAME)
