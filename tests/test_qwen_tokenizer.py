@@ -282,3 +282,20 @@ def test_saved_copy_loads_the_same_in_both(ours, tmp_path):
     assert copy.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False,
                                                                             add_generation_prompt=True)
     assert (copy.eos_token_id, copy.pad_token_id) == (ours.eos_token_id, ours.pad_token_id)
+
+
+def test_a_chat_template_file_is_read_and_kept(qwen_dir, ranks, tmp_path):
+    """transformers saves the template as `chat_template.jinja` (and it wins over the config's):
+    it formats `messages` prompts as transformers does, and a checkpoint's tokenizer keeps it."""
+    import shutil
+
+    shutil.copy(qwen_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = tokenizer_config(len(ranks))
+    (tmp_path / "chat_template.jinja").write_text(config.pop("chat_template"), encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "stale"}))
+    messages = CHATS["system"]
+    ours, theirs = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False,
+                                                                            add_generation_prompt=True)
+    ours.save(tmp_path / "checkpoint")
+    assert load_tokenizer(tmp_path / "checkpoint").chat_template == (tmp_path / "chat_template.jinja").read_text()

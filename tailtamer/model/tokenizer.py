@@ -31,7 +31,8 @@ CHATML_TEMPLATE = (
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the fields of `tokenizer_config.json` tailtamer uses."""
+    """A `tokenizers.Tokenizer` plus the fields of `tokenizer_config.json` tailtamer uses (the
+    chat template from `chat_template.jinja` when there is one, as transformers reads it)."""
 
     def __init__(self, backend: HFTokenizer, config: dict | None = None):
         self.backend = backend
@@ -143,6 +144,13 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{config_path}: malformed JSON ({e})") from None
         config = _checked_config(config, config_path)
+    # transformers >= 4.43 saves the template as a file of its own, which wins over the config's
+    template_path = model_dir / "chat_template.jinja"
+    if template_path.is_file():
+        try:
+            config["chat_template"] = template_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{template_path}: not UTF-8 text ({e})") from None
     return Tokenizer(backend, config)
 
 
