@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from tailtamer.config_fields import at_least, at_most, f, positive
+from tailtamer.config_fields import absolute_paths, at_least, at_most, f, positive
 from tailtamer.device import TRAIN_DTYPES
 from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError
@@ -340,7 +340,8 @@ def apply_override(data: dict, item: str) -> None:
 
 
 def load_train_config(path: str | Path | None = None, overrides: list[str] = (), written: bool = False) -> TrainConfig:
-    """The config of a YAML file (or the default job) with dotted overrides. `written`: the
+    """The config of a YAML file (or the default job) with dotted overrides, the files it names
+    as absolute paths (`absolute_paths`). `written`: the
     file is a run directory's own config.yaml, which an older tailtamer may have written with
     since-renamed sections; those are read under their new names (a user's file gets a hint)."""
     data: dict = {}
@@ -358,10 +359,11 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
         if written:
             data = {RENAMED.get(k, k) if RENAMED.get(k) not in data else k: v for k, v in data.items()}
+        data = {k: {} if v is None else v for k, v in data.items()}  # `run:` with every key commented out
     for item in overrides:
         apply_override(data, item)
     try:
-        return from_dict(TrainConfig, data)
+        return from_dict(TrainConfig, absolute_paths(data))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
 

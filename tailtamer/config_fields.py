@@ -1,7 +1,9 @@
-"""Helpers shared by every config dataclass: fields with help text and bound checks."""
+"""Helpers shared by every config dataclass: fields with help text, bound checks, and the
+files a config names made absolute paths."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import field
 
 from tailtamer.errors import ConfigError
@@ -30,3 +32,34 @@ def f(default, help: str):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def _absolute(path, keep: tuple[str, ...] = ()):
+    if not isinstance(path, str) or path in keep:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _absolute_reward(spec):
+    target, sep, name = spec.rpartition(":") if isinstance(spec, str) else ("", "", spec)
+    return f"{_absolute(target)}:{name}" if sep and target.endswith(".py") else spec
+
+
+# The fields naming files a run reads, and the values of each that are names, not paths.
+PATH_FIELDS = {("run", "model"): (), ("data", "train"): ("builtin",), ("data", "eval"): (),
+               ("spec", "drafter"): ("builtin", "ngram")}
+
+
+def absolute_paths(data: dict) -> dict:
+    """A config dict (`to_dict`, or a run's config.yaml as read) with the files it names as
+    absolute paths, relative ones taken from the working directory: a run's config.yaml then
+    resumes from any directory, and one an older tailtamer wrote compares equal from its own."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for (section, key), keep in PATH_FIELDS.items():
+        if isinstance(out.get(section), dict) and key in out[section]:
+            out[section][key] = _absolute(out[section][key], keep)
+    rl = out.get("rl")
+    if isinstance(rl, dict) and "reward" in rl:
+        rewards = rl["reward"]
+        rl["reward"] = [_absolute_reward(r) for r in rewards] if isinstance(rewards, list) else _absolute_reward(rewards)
+    return out

@@ -1,5 +1,7 @@
 """Training config: YAML + dotted overrides, validation with the field's dotted name."""
 
+import os
+
 import pytest
 import yaml
 
@@ -99,4 +101,4 @@ def test_every_field_has_help():
 def test_a_single_reward_reads_as_a_list_of_one():
     assert load_train_config(None, ["rl.reward=math"]).rl.reward == ("math",)
     cfg = load_train_config(None, ["rl.reward=[math, a.py:f]", "rl.reward_weights=[1, 0.5]"])
-    assert cfg.rl.reward == ("math", "a.py:f") and cfg.rl.reward_weights == (1.0, 0.5)
+    assert cfg.rl.reward == ("math", f"{os.path.abspath('a.py')}:f") and cfg.rl.reward_weights == (1.0, 0.5)

@@ -315,3 +315,29 @@ def test_files_of_runs_written_before_the_renames_still_resume(tmp_path):
     assert load_train_config(old, written=True).spot.lr == 0.001
     with pytest.raises(ConfigError, match="drafter is now spot"):
         load_train_config(old)
+
+
+def test_a_run_given_relative_paths_resumes_from_any_directory(toy, tmp_path, monkeypatch):
+    """config.yaml names the model, data and reward file by absolute path, so `--resume` works
+    from another directory; a config.yaml an older tailtamer wrote with the paths as typed
+    still resumes from the directory it was started in (same files: no change refused)."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(work)
+    relative = [item.split("=", 1)[0] + "=" + os.path.relpath(item.split("=", 1)[1], work)
+                if item.startswith(("run.model=", "data.train=", "rl.reward=")) else item for item in toy]
+    assert all(not v.startswith("/") for k, v in (i.split("=", 1) for i in relative) if k != "run.out_dir")
+    launch(load_train_config(None, relative + ["run.name=rel", "run.steps=1"]), console=quiet)
+    run = tmp_path / "runs" / "rel"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["run"]["model"] == toy[0].split("=", 1)[1]
+    assert saved["data"]["train"].startswith("/") and saved["rl"]["reward"][0].startswith("/")
+    monkeypatch.chdir(elsewhere)
+    launch(load_train_config(run / "config.yaml", ["run.steps=2"], written=True), resume=run, console=quiet)
+    assert [r["step"] for r in _rows(run)] == [1, 2]
+    as_typed = {**saved, "run": {**saved["run"], "model": relative[0].split("=", 1)[1], "steps": 2},
+                "data": {**saved["data"], "train": relative[1].split("=", 1)[1]}}
+    (run / "config.yaml").write_text(yaml.safe_dump(as_typed, sort_keys=False))
+    monkeypatch.chdir(work)
+    launch(load_train_config(run / "config.yaml", ["run.steps=3"], written=True), resume=run, console=quiet)
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3]

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from tailtamer.atomic import atomic_write_text
+from tailtamer.config_fields import absolute_paths
 from tailtamer.errors import ConfigError
 
 DEFAULT_NAME = "default"
@@ -164,7 +165,7 @@ def resume_changes(run_dir: Path, cfg_dict: dict) -> dict:
     one of FIXED_ON_RESUME."""
     path = run_dir / "config.yaml"
     saved = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    changes = config_changes(saved or {}, cfg_dict)
+    changes = config_changes(absolute_paths(saved or {}), cfg_dict)
     fixed = [k for k in changes if k in FIXED_ON_RESUME]
     if fixed:
         raise ConfigError(f"--resume {run_dir}: {', '.join(fixed)} cannot change when a run is resumed "
