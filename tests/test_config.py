@@ -102,3 +102,11 @@ def test_a_single_reward_reads_as_a_list_of_one():
     assert load_train_config(None, ["rl.reward=math"]).rl.reward == ("math",)
     cfg = load_train_config(None, ["rl.reward=[math, a.py:f]", "rl.reward_weights=[1, 0.5]"])
     assert cfg.rl.reward == ("math", f"{os.path.abspath('a.py')}:f") and cfg.rl.reward_weights == (1.0, 0.5)
+
+
+def test_a_section_with_every_key_commented_out_is_empty(tmp_path):
+    """`run:` with nothing under it (YAML null) keeps the section's defaults, overrides included."""
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  # workers: 2\nrollout:\n  group_size: 4\n")
+    cfg = load_train_config(path, ["run.workers=1"])
+    assert cfg.run.workers == 1 and cfg.run.steps == TrainConfig().run.steps and cfg.rollout.group_size == 4
