@@ -147,6 +147,12 @@ def test_resume_records_changed_settings_and_refuses_fixed_ones(toy, tmp_path, m
     assert record == [{"step": 2, "changes": {"rl.lr": [1e-4, 5e-4], "run.steps": [2, 3]}}]
     with pytest.raises(ConfigError, match="run.model cannot change when a run is resumed"):
         _train(toy, "run.steps=4", f"run.model={tmp_path}", resume=run)
+    files = {p: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    for steps in (3, 2):  # a resume with no step to take changes nothing
+        with pytest.raises(ConfigError, match=rf"the run is at step 3 and run.steps is {steps}, so there is nothing "
+                                              r"to train; give run.steps=4 or more"):
+            _train(toy, f"run.steps={steps}", resume=run)
+    assert {p: p.read_bytes() for p in run.iterdir() if p.is_file()} == files
 
 
 def test_resume_after_a_torn_metrics_line(toy, tmp_path):
@@ -223,6 +229,20 @@ def test_a_run_whose_rewards_all_fail_stops_with_the_message(toy, tmp_path):
         _train(toy, f"rl.reward={path}:boom", "run.name=allfail")
 
 
+def test_a_run_that_fails_later_keeps_its_summary_and_plots(toy, tmp_path):
+    """The reward fails on every sample from step 2 on: the run stops with a checkpoint of step
+    1, and summary.json (not `finished`) and the plots cover the step it took."""
+    path = tmp_path / "late.py"
+    path.write_text("calls = 0\ndef late(response, answer):\n    global calls\n    calls += 1\n"
+                    "    if calls > 32:\n        raise RuntimeError('late failure')\n    return 1.0\n")
+    with pytest.raises(TrainingError, match=r"every reward of step 2 failed.*the last checkpoint is step 1"):
+        _train(toy, f"rl.reward={path}:late", "run.name=late", "run.steps=4")
+    run = tmp_path / "runs" / "late"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["finished"] is False
+    assert (run / "curves.png").is_file() and (run / "timeline.png").is_file()
+
+
 def test_reward_failures_are_shown_once_per_kind_and_summarised(toy, tmp_path):
     path = tmp_path / "rewards.py"
     path.write_text(REWARDS)
@@ -261,6 +281,8 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers):
     done = len(_rows(run))
     assert f"stopped by Ctrl-C after step {done} of 40" in err and f"tailtamer train --resume {run}" in err
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{done:06d}"
+    summary = json.loads((run / "summary.json").read_text())  # of the steps it took
+    assert summary["steps"] == done and summary["finished"] is False and (run / "curves.png").is_file()
     launch(load_train_config(run / "config.yaml", ["run.steps=6"]), resume=run, console=quiet)
     launch(load_train_config(None, common + ["run.steps=6", "run.name=straight"]), console=quiet)
     assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "straight"))

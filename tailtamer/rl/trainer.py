@@ -39,7 +39,7 @@ from tailtamer.pace import ENV as PACE_ENV, Pace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
 from tailtamer.rl.batching import Samples, minibatch_of, response_batch, update_plan
-from tailtamer.rl.checkpoint import save_checkpoint
+from tailtamer.rl.checkpoint import latest_checkpoint, save_checkpoint
 from tailtamer.rl.rewards import merge_failures
 from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_resume, resume_changes
 from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, setup, training_prompts
@@ -394,6 +394,11 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
 
 
 def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> dict | None:
+    if resume is not None:  # before anything is loaded or written: a resume must have steps to go
+        done = int(latest_checkpoint(resume).name.removeprefix("step-"))
+        if done >= cfg.run.steps:
+            raise ConfigError(f"--resume {resume}: the run is at step {done} and run.steps is {cfg.run.steps}, so "
+                              f"there is nothing to train; give run.steps={done + 1} or more to go on")
     changes = resume_changes(resume, to_dict(cfg)) if resume is not None and w.is_main else {}
     s = setup(cfg, resume, log, w)
     if w.is_main:
@@ -408,7 +413,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
         log(f"skipped {s.skipped_prompts} prompts longer than {limit} tokens (data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens}, or the model's context less one token)")
     t0 = time.perf_counter()
-    out, reported = None, set()
+    out, reported, hurry = None, set(), False
     pace = Pace.from_env()  # `bench train`'s arms take turns step by step; otherwise a no-op
     with StopRequest(log) as stop:
         try:
@@ -464,6 +469,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                     pace.done(s.step - 1)
             pace.finish(cfg.run.steps)
         except KeyboardInterrupt:
+            hurry = True  # a second Ctrl-C: no summary or plots either
             raise Interrupted(f"stopped at once by a second Ctrl-C in step {s.step + 1}; {_resume_hint(s)}") from None
         finally:
             if out is not None:
@@ -471,11 +477,20 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
             if s.drafter is not None:
                 s.drafter.wait()
             s.scorer.close()
-    if not w.is_main:
-        return None
+            if w.is_main and s.step < cfg.run.steps and s.history and not hurry:  # stopped or failed: its steps
+                try:
+                    _summarize(s, w.world, time.perf_counter() - t0)
+                except OSError as e:  # the error that stopped the run is the one to report
+                    log(f"cannot write {s.run_dir / 'summary.json'} ({e.strerror or e})")
+    return _summarize(s, w.world, time.perf_counter() - t0) if w.is_main else None
+
+
+def _summarize(s: RunState, world: int, seconds: float) -> dict:
+    """Write summary.json and the plots of the run's steps so far (`finished` once it has
+    taken all of run.steps) and return the summary."""
     last = s.history[-1] if s.history else {}
-    summary = run_summary(s.history, s.eval_at_start, time.perf_counter() - t0, run_dir=str(s.run_dir),
-                          workers=w.world, skipped_prompts=s.skipped_prompts,
+    summary = run_summary(s.history, s.eval_at_start, seconds, run_dir=str(s.run_dir), workers=world,
+                          finished=s.step >= s.cfg.run.steps, skipped_prompts=s.skipped_prompts,
                           **{k: last.get(k, 0) for k in s.scorer.counts()},  # summed over workers
                           reward_failures=last.get("reward_failures", {}))
     atomic_write_json(s.run_dir / "summary.json", summary)
