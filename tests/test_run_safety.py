@@ -363,3 +363,16 @@ def test_a_run_given_relative_paths_resumes_from_any_directory(toy, tmp_path, mo
     monkeypatch.chdir(work)
     launch(load_train_config(run / "config.yaml", ["run.steps=3"], written=True), resume=run, console=quiet)
     assert [r["step"] for r in _rows(run)] == [1, 2, 3]
+
+
+def test_fewer_prompts_than_a_step_takes_is_said_and_checked(toy, tmp_path):
+    """4 training prompts and rollout.prompts_per_step=5: each step rolls out the 4, which the
+    log says; rl.minibatches must divide the 32 samples a step then has, not the 40 configured."""
+    lines = []
+    _train(toy, "rollout.prompts_per_step=5", "run.steps=1", "run.name=few", log=lines.append)
+    assert any(line.endswith("has 4 training prompts, fewer than rollout.prompts_per_step=5: every step rolls out "
+                             "all 4") for line in lines), lines
+    assert len(_rows(tmp_path / "runs" / "few")[0]["lengths"]) == 32
+    with pytest.raises(ConfigError, match=r"rl.minibatches \(5\) must divide a step's 32 samples: .* has 4 training "
+                                          r"prompts, fewer than rollout.prompts_per_step=5, times rollout.group_size=8"):
+        _train(toy, "rollout.prompts_per_step=5", "rl.minibatches=5", "run.name=uneven")

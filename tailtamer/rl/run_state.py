@@ -103,6 +103,14 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     check_tokenizer_fits(tokenizer, model_cfg, model_dir)
     train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings), log)
     prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
+    if prompts < cfg.rollout.prompts_per_step:
+        samples = prompts * cfg.rollout.group_size
+        if samples % cfg.rl.minibatches:
+            raise ConfigError(f"rl.minibatches ({cfg.rl.minibatches}) must divide a step's {samples} samples: "
+                              f"{cfg.data.train} has {prompts} training prompts, fewer than rollout.prompts_per_step="
+                              f"{cfg.rollout.prompts_per_step}, times rollout.group_size={cfg.rollout.group_size}")
+        log(f"{cfg.data.train} has {prompts} training prompts, fewer than rollout.prompts_per_step="
+            f"{cfg.rollout.prompts_per_step}: every step rolls out all {prompts}")
     if prompts < workers.world:
         more = " and ".join(fix for fix, short in (("raise rollout.prompts_per_step", cfg.rollout.prompts_per_step),
                                                    ("add prompts to data.train", len(train_rows))) if short < workers.world)
