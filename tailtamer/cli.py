@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
 
-from tailtamer.errors import TailtamerError
+from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.stopping import Interrupted
 from tailtamer.rollout.speculator import SpecConfig
+
+# `generate`'s flags for the SpecConfig fields they set
+SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy", "bs_threshold": "--bs-threshold",
+              "tuner": "--tuner", "compile": "--compile"}
 
 
 def _writable_dir(directory: Path, flag: str, path: str) -> None:
@@ -83,6 +88,9 @@ def cmd_train(args) -> None:
         if path is not None:
             raise TailtamerError("--resume takes its config from the run directory; give only key=value overrides")
         path = resume / "config.yaml"
+        if not path.is_file():
+            what = "no such directory" if not resume.is_dir() else "not a run directory (it has no config.yaml)"
+            raise TailtamerError(f"--resume {resume}: {what}; give a run's directory, e.g. runs/default")
     cfg = load_train_config(path, items, written=resume is not None)
     summary = launch(cfg, resume, console=None if sys.stderr.isatty() else print)
     if summary is not None:  # worker 0 (under torchrun every worker runs this)
@@ -98,8 +106,11 @@ def cmd_generate(args) -> None:
     from tailtamer.rollout.sampling import SamplingParams
     from tailtamer.rollout.speculator import make_speculator
 
-    spec = SpecConfig(mode=args.spec, strategy=args.strategy, drafter=args.drafter, bs_threshold=args.bs_threshold,
-                      tuner=args.tuner, compile=args.compile)
+    try:
+        spec = SpecConfig(mode=args.spec, strategy=args.strategy, drafter=args.drafter, bs_threshold=args.bs_threshold,
+                          tuner=args.tuner, compile=args.compile)
+    except ConfigError as e:  # named by the flags that set them here, not the config fields
+        raise ConfigError(re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))) from None
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
     device = resolve_device(args.device)

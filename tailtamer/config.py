@@ -324,7 +324,9 @@ def to_dict(cfg) -> dict:
 def apply_override(data: dict, item: str) -> None:
     """Apply `a.b.c=value` (value parsed as YAML) to a nested dict."""
     if "=" not in item:
-        raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. rl.lr=1e-6)")
+        first = item.endswith((".yaml", ".yml")) or Path(item).is_file()
+        raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. rl.lr=1e-6)"
+                          + ("; a config file goes first: tailtamer train FILE KEY=VALUE ..." if first else ""))
     key, raw = item.split("=", 1)
     try:
         value = parse_yaml(raw) if raw != "" else None

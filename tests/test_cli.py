@@ -74,6 +74,8 @@ def test_missing_files_are_clear_errors(model_dir, tmp_path, capsys):
     assert main(["generate", "--model", str(model_dir), "--prompts", str(tmp_path / "none.jsonl"),
                  "--out", "y"]) == 2
     assert "none.jsonl: file not found" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(tmp_path), "--out", "y"]) == 2
+    assert f"{tmp_path}: is a directory; give the JSONL or parquet file in it" in capsys.readouterr().err
 
 
 def test_bad_sampling_flag_is_a_clear_error(model_dir, tmp_path, capsys):
@@ -136,10 +138,10 @@ def prompts_as_texts(tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--spec", "on"], "needs a drafter"),
-    (["--spec", "on", "--drafter", "ngram", "--strategy", "8x4"], "not DEPTH_TOPK_VERIFY"),
-    (["--spec", "adaptive", "--drafter", "ngram", "--bs-threshold", "-1"], "bs_threshold must be >= 0"),
-    (["--spec", "on", "--drafter", "ngram", "--compile"], "spec.compile compiles an EAGLE drafter's draft chains"),
+    (["--spec", "on"], "--spec on needs a drafter (--drafter): an EAGLE drafter directory or 'ngram'"),
+    (["--spec", "on", "--drafter", "ngram", "--strategy", "8x4"], "--strategy: strategy '8x4' is not DEPTH_TOPK_VERIFY"),
+    (["--spec", "adaptive", "--drafter", "ngram", "--bs-threshold", "-1"], "--bs-threshold must be >= 0"),
+    (["--spec", "on", "--drafter", "ngram", "--compile"], "--compile compiles an EAGLE drafter's draft chains"),
 ])
 def test_bad_speculation_flags(model_dir, tmp_path, capsys, extra, message):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
@@ -265,6 +267,9 @@ def test_bad_generate_arguments_are_one_line_errors(model_dir, tmp_path, capsys,
     (["init-model", "--preset", "tiny", "--out", "{tmp}/full"], "--out {tmp}/full already exists and is not empty"),
     (["bench", "decode", "--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["demo", "--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["train", "--resume", "{tmp}/nope"], "--resume {tmp}/nope: no such directory; give a run's directory"),
+    (["train", "--resume", "{tmp}/full"], "--resume {tmp}/full: not a run directory (it has no config.yaml)"),
+    (["train", "run.steps=2", "{tmp}/c.yaml"], "is not KEY=VALUE (e.g. rl.lr=1e-6); a config file goes first"),
 ])
 def test_bad_arguments_of_other_commands(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("precious")

@@ -81,6 +81,8 @@ def test_bad_rows_name_the_file_and_row(tmp_path, lines, message):
 def test_missing_and_unreadable_files(tmp_path):
     with pytest.raises(DataError, match="none.jsonl: file not found"):
         load_task_rows(tmp_path / "none.jsonl", char_tokenizer(), 256)
+    with pytest.raises(DataError, match="is a directory; give the JSONL or parquet file in it"):
+        load_task_rows(tmp_path, char_tokenizer(), 256)
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"not parquet at all")
     with pytest.raises(DataError, match="bad.parquet: (cannot read parquet|reading parquet needs pandas)"):
@@ -110,6 +112,15 @@ GSM8K_ROW = {"question": "Tom has 3 apples and buys 4. How many?",
 GSM8K = {"data_source": "openai/gsm8k"}  # a raw GSM8K row is one, for rl.reward=auto
 
 
+def test_a_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Windows editors start UTF-8 files with a byte-order mark: the first row still parses."""
+    plain = write_jsonl(tmp_path / "plain.jsonl", ROWS[:2])
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    tok = char_tokenizer()
+    assert load_task_rows(marked, tok, 256) == load_task_rows(plain, tok, 256)
+
+
 def test_raw_gsm8k_rows_column_mapping_and_content_parts(tmp_path):
     tok = char_tokenizer()
     rows, _ = load_task_rows(write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K_ROW, {**GSM8K_ROW, "answer": "x\n#### 1,250"}]),
@@ -130,6 +141,8 @@ def test_raw_gsm8k_rows_column_mapping_and_content_parts(tmp_path):
     ({"prompt": "a", "answer": "1"}, {"answer_key": "label"}, "d.jsonl:1: no column 'label' (data.answer_key)"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "answer": "1"}, {},
      "d.jsonl:1: message 0 has a content part of type 'image_url'"),
+    ({"q": "a", "a": float("nan")}, {"prompt_key": "q", "answer_key": "a"}, "d.jsonl:1: field 'a' is nan"),
+    ({"q": "", "answer": "1"}, {"prompt_key": "q"}, "d.jsonl:1: field 'q' is empty"),
 ])
 def test_bad_columns_and_parts_name_the_file_row_and_key(tmp_path, row, keys, message):
     with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):

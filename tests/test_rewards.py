@@ -114,6 +114,20 @@ def test_unloadable_rewards_are_config_errors(spec, message):
         RewardScorer(spec)
 
 
+def test_a_reward_file_imports_its_neighbours(tmp_path):
+    """Reward code split over files: `rmain.py` imports `rhelper.py` from its own directory,
+    in this process and in the scorer's."""
+    folder = tmp_path / "rewards_dir"
+    folder.mkdir()
+    (folder / "rhelper.py").write_text("def score(response, answer):\n    return float(response == answer)\n")
+    (folder / "rmain.py").write_text("from rhelper import score\ndef f(response, answer):\n"
+                                     "    return score(response, answer)\n")
+    assert resolve_reward(f"{folder / 'rmain.py'}:f")("7", "7") == 1.0
+    scorer = RewardScorer(f"{folder / 'rmain.py'}:f")
+    assert scorer.score_batch([("7", "7"), ("7", "8")]) == [(1.0, True), (0.0, True)]
+    scorer.close()
+
+
 def test_reward_module_that_fails_to_import(tmp_path):
     path = tmp_path / "broken.py"
     path.write_text("import not_a_real_package_abc\n")

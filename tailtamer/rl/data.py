@@ -15,15 +15,21 @@ from tailtamer.errors import DataError
 from tailtamer.model.tokenizer import Tokenizer
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
+def check_file(path: Path) -> None:
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory; give the JSONL or parquet file in it")
     if not path.is_file():
         raise DataError(f"{path}: file not found")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    check_file(path)
     rows = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark, as Windows writes
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
             if not line.strip():
@@ -43,10 +49,11 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
-def prompt_text(row: dict, tokenizer: Tokenizer, where: str) -> str:
+def prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str = "prompt") -> str:
     """The text a row asks the model to continue: `prompt` as is, or `messages` through the
-    tokenizer's chat template with the generation prompt appended."""
-    text = _prompt_text(row, tokenizer, where)
+    tokenizer's chat template with the generation prompt appended. `name`: the column errors
+    name for `prompt` (data.prompt_key's, when it maps one)."""
+    text = _prompt_text(row, tokenizer, where, name)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -54,7 +61,7 @@ def prompt_text(row: dict, tokenizer: Tokenizer, where: str) -> str:
     return text
 
 
-def _prompt_text(row: dict, tokenizer: Tokenizer, where: str) -> str:
+def _prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str) -> str:
     if "prompt" not in row and "messages" not in row and isinstance(row.get("question"), str):
         return _nonempty(row["question"], where, "question")  # a raw GSM8K row
     if "prompt" in row:
@@ -62,8 +69,8 @@ def _prompt_text(row: dict, tokenizer: Tokenizer, where: str) -> str:
         if isinstance(prompt, list):  # verl-style datasets keep chat messages under `prompt`
             return _chat(prompt, tokenizer, where)
         if not isinstance(prompt, str):
-            raise DataError(f"{where}: field 'prompt' must be a string or a list of messages")
-        return _nonempty(prompt, where, "prompt")
+            raise DataError(f"{where}: field '{name}' must be a string or a list of messages")
+        return _nonempty(prompt, where, name)
     if "messages" in row:
         return _chat(row["messages"], tokenizer, where)
     raise DataError(f"{where}: row has neither 'prompt' nor 'messages' (nor a GSM8K 'question'); "
@@ -138,8 +145,7 @@ def read_rows(path: str | Path) -> list[dict]:
     path = Path(path)
     if path.suffix != ".parquet":
         return read_jsonl(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
+    check_file(path)
     try:
         import pandas as pd
 
@@ -155,16 +161,16 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def row_answer(row: dict, where: str) -> str:
+def row_answer(row: dict, where: str, name: str = "answer") -> str:
     """`answer`, or verl-style `reward_model.ground_truth`, as the text a reward compares with:
     a non-empty string or a number (a whole float, as a parquet column of integers with a
     gap becomes, is written as the integer: 14.0 -> '14'). A GSM8K answer (worked solution,
-    then `#### N`) gives N."""
+    then `#### N`) gives N. `name`: the column errors name for `answer`."""
     if row.get("answer") is not None:
         answer = row["answer"]
         if isinstance(answer, str) and "####" in answer:
             answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
-        return _answer_text(answer, where, "answer")
+        return _answer_text(answer, where, name)
     truth = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
     if truth is not None:
         return _answer_text(truth, where, "reward_model.ground_truth")
@@ -199,8 +205,8 @@ def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: in
     for row in read_rows(path):
         where = f"{path}:{row['_row']}"
         row = map_columns(row, prompt_key, answer_key, where)
-        ids = tokenizer.encode(prompt_text(row, tokenizer, where))
-        answer = row_answer(row, where)
+        ids = tokenizer.encode(prompt_text(row, tokenizer, where, prompt_key or "prompt"))
+        answer = row_answer(row, where, answer_key or "answer")
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue

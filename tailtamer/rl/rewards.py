@@ -56,6 +56,10 @@ def load_user_reward(spec: str) -> Callable[[str, str], float]:
             path = Path(target)
             if not path.is_file():
                 raise ConfigError(f"rl.reward: {path} not found")
+            # as `python file.py` would: the file's own directory first, so it imports its neighbours
+            folder = str(path.resolve().parent)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             module_spec = importlib.util.spec_from_file_location(f"tailtamer_user_reward_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[module_spec.name] = module

@@ -51,7 +51,7 @@ class SpecConfig:
         except ConfigError as e:
             raise ConfigError(f"spec.strategy: {e}") from None
         if self.mode != "off" and not self.drafter:
-            raise ConfigError(f"spec.mode {self.mode} needs a drafter: a drafter directory or 'ngram'")
+            raise ConfigError(f"spec.mode {self.mode} needs a drafter (spec.drafter): an EAGLE drafter directory or 'ngram'")
         if self.tuner not in ("beg", "fixed"):
             raise ConfigError(f"spec.tuner must be beg or fixed, got {self.tuner!r}")
         at_least(self, "spec", 0, "bs_threshold")
