@@ -207,15 +207,22 @@ def test_broken_model_directories_are_one_line_errors(model_dir, tmp_path, capsy
 
 
 def test_a_training_run_given_as_a_model_names_its_checkpoint(model_dir, tmp_path, capsys):
-    """A run directory, or its checkpoints/latest pointer, where a model directory belongs."""
+    """A run directory, its checkpoints directory or checkpoints/latest pointer, or a drafter,
+    where a model directory belongs."""
     run = tmp_path / "runs" / "r"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("run: {name: r}\n")
     (run / "checkpoints" / "latest").write_text("step-000040\n")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle"]}))
     for given, message in ((run, f"{run} is a training run, not a model; give one of its checkpoints: "
                                  f"{run / 'checkpoints'}/step-N"),
                            (run / "checkpoints" / "latest", f"is the run's pointer to its newest checkpoint; give "
-                                                            f"that checkpoint: {run / 'checkpoints' / 'step-000040'}")):
+                                                            f"that checkpoint: {run / 'checkpoints' / 'step-000040'}"),
+                           (run / "checkpoints", f"holds a run's checkpoints; give one of them: {run / 'checkpoints'}"
+                                                 f"/step-N (the newest: {run / 'checkpoints' / 'step-000040'})"),
+                           (drafter, f"{drafter} is an EAGLE drafter, not a model: give it as the drafter")):
         assert _generate(given, tmp_path) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
