@@ -376,3 +376,12 @@ def test_fewer_prompts_than_a_step_takes_is_said_and_checked(toy, tmp_path):
     with pytest.raises(ConfigError, match=r"rl.minibatches \(5\) must divide a step's 32 samples: .* has 4 training "
                                           r"prompts, fewer than rollout.prompts_per_step=5, times rollout.group_size=8"):
         _train(toy, "rollout.prompts_per_step=5", "rl.minibatches=5", "run.name=uneven")
+
+
+def test_responses_the_context_will_cut_are_said_at_start_up(toy, tmp_path):
+    lines = []
+    _train(toy, "run.steps=1", "run.name=short", log=lines.append)
+    assert not any("as truncated" in line for line in lines)
+    _train(toy, "run.steps=1", "run.name=long", "rollout.max_new_tokens=300", log=lines.append)
+    assert any(line.startswith("rollout.max_new_tokens=300, but the model's context is 256 tokens and prompts take "
+                               "up to ") and line.endswith("as truncated") for line in lines), lines
