@@ -81,6 +81,7 @@ def cmd_train(args) -> None:
         return
     items = list(args.items)
     path = items.pop(0) if items and "=" not in items[0] else None
+    items += args.set
     if args.resume is not None and not args.resume.strip():
         raise TailtamerError("--resume: empty path; give the run directory (e.g. runs/default)")
     resume = Path(args.resume) if args.resume else None
@@ -272,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("items", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
     tr.add_argument("--resume", help="continue the run in this directory from its last checkpoint")
     tr.add_argument("--help-config", action="store_true", help="list every config field with its default and help")
+    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override, as `bench train --set` takes them (repeatable; the same as KEY=VALUE)")
     tr.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="sample completions for a prompts file")

@@ -277,6 +277,7 @@ def test_bad_generate_arguments_are_one_line_errors(model_dir, tmp_path, capsys,
     (["train", "--resume", "{tmp}/nope"], "--resume {tmp}/nope: no such directory; give a run's directory"),
     (["train", "--resume", "{tmp}/full"], "--resume {tmp}/full: not a run directory (it has no config.yaml)"),
     (["train", "run.steps=2", "{tmp}/c.yaml"], "is not KEY=VALUE (e.g. rl.lr=1e-6); a config file goes first"),
+    (["train", "--set", "rollout.group_size=1"], "rollout.group_size must be >= 2, got 1"),
 ])
 def test_bad_arguments_of_other_commands(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("precious")
