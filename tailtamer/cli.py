@@ -90,7 +90,8 @@ def cmd_train(args) -> None:
             raise TailtamerError("--resume takes its config from the run directory; give only key=value overrides")
         path = resume / "config.yaml"
         if not path.is_file():
-            what = "no such directory" if not resume.is_dir() else "not a run directory (it has no config.yaml)"
+            what = ("is a file" if resume.is_file() else "no such directory" if not resume.is_dir()
+                    else "not a run directory (it has no config.yaml)")
             raise TailtamerError(f"--resume {resume}: {what}; give a run's directory, e.g. runs/default")
     cfg = load_train_config(path, items, written=resume is not None)
     summary = launch(cfg, resume, console=None if sys.stderr.isatty() else print)
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", help="continue the run in this directory from its last checkpoint")
     tr.add_argument("--help-config", action="store_true", help="list every config field with its default and help")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override, as `bench train --set` takes them (repeatable; the same as KEY=VALUE)")
+                    help="a config override, as `bench train --set` takes them (one per --set; the same as KEY=VALUE)")
     tr.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="sample completions for a prompts file")

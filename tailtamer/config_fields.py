@@ -35,7 +35,7 @@ def f(default, help: str):
 
 
 def _absolute(path, keep: tuple[str, ...] = ()):
-    if not isinstance(path, str) or path in keep:
+    if not isinstance(path, str) or not path or path in keep:  # "" is no path: its own check says so
         return path
     return os.path.abspath(os.path.expanduser(path))
 

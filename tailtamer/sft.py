@@ -73,7 +73,8 @@ class SFTConfig:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tailtamer")
+    """Absolute, as a run's config.yaml names the built-in model by it and resumes from anywhere."""
+    return Path(os.path.abspath(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tailtamer"))
 
 
 def encode_example(tok: Tokenizer, problem: dict) -> tuple[list[int], list[int]]:

@@ -43,6 +43,7 @@ def test_yaml_1_2_scalars():
     (["run.steps=0"], "run.steps must be >= 1"),
     (["rollout.temperature=0"], "temperature must be > 0"),
     (["spec.mode=on", "spec.drafter="], "needs a drafter"),
+    (["spec.mode=on", 'spec.drafter=""'], "needs a drafter"),  # not the working directory made absolute
     (["rl.grad_clip=-1"], "rl.grad_clip must be > 0"),
     (["rl.reward_timeout_s=-1"], "rl.reward_timeout_s must be > 0"),
     (["rl.kl_coef=.nan"], "rl.kl_coef: expected a finite number"),
@@ -110,3 +111,12 @@ def test_a_section_with_every_key_commented_out_is_empty(tmp_path):
     path.write_text("run:\n  # workers: 2\nrollout:\n  group_size: 4\n")
     cfg = load_train_config(path, ["run.workers=1"])
     assert cfg.run.workers == 1 and cfg.run.steps == TrainConfig().run.steps and cfg.rollout.group_size == 4
+
+
+def test_the_built_in_models_cache_is_named_absolute(tmp_path, monkeypatch):
+    """A relative TAILTAMER_CACHE still gives config.yaml absolute paths to the built-in model."""
+    from tailtamer.sft import cache_root
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TAILTAMER_CACHE", "cache")
+    assert cache_root() == tmp_path / "cache"

@@ -1,7 +1,9 @@
 """Rewards: built-in, user functions, and failures that score 0 without stopping the run."""
 
+import functools
 import importlib.util
 import json
+import sys
 import time
 
 import pytest
@@ -114,9 +116,10 @@ def test_unloadable_rewards_are_config_errors(spec, message):
         RewardScorer(spec)
 
 
-def test_a_reward_file_imports_its_neighbours(tmp_path):
+def test_a_reward_file_imports_its_neighbours(tmp_path, monkeypatch):
     """Reward code split over files: `rmain.py` imports `rhelper.py` from its own directory,
     in this process and in the scorer's."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
     folder = tmp_path / "rewards_dir"
     folder.mkdir()
     (folder / "rhelper.py").write_text("def score(response, answer):\n    return float(response == answer)\n")
@@ -204,7 +207,14 @@ def test_a_reward_naming_response_and_answer_gets_each_by_name():
     def positional_only(answer, response, /):  # names that cannot be passed by name: in order
         return float(answer == "r" and response == "a")
 
-    for fn in (swapped, plain, positional_only):
+    def decorated(response, answer):
+        return float(response == "r" and answer == "a")
+
+    @functools.wraps(decorated)  # the signature shown is `decorated`'s; the wrapper takes no keywords
+    def wrapper(*args):
+        return decorated(*args)
+
+    for fn in (swapped, plain, positional_only, wrapper):
         assert reward_caller(fn, fn.__name__)("r", "a", {}) == 1.0, fn.__name__
 
 

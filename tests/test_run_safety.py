@@ -243,6 +243,26 @@ def test_a_run_that_fails_later_keeps_its_summary_and_plots(toy, tmp_path):
     assert (run / "curves.png").is_file() and (run / "timeline.png").is_file()
 
 
+def test_a_failure_at_the_last_checkpoint_or_in_the_plots_keeps_the_error(toy, tmp_path, monkeypatch):
+    """The final checkpoint's write fails: the summary still covers both steps (not finished);
+    a plot that fails then too is logged, and the checkpoint's error is the one raised."""
+    from tailtamer.rl import trainer
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer, "save_checkpoint", full_disk)
+    with pytest.raises(TrainingError, match="cannot write the checkpoint of step 2 .*No space left on device"):
+        _train(toy, "run.name=full", "run.steps=2", "run.save_every=0")
+    summary = json.loads((tmp_path / "runs" / "full" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["finished"] is False
+    monkeypatch.setattr(trainer, "plot_rl_curves", lambda *a: 1 / 0)
+    lines = []
+    with pytest.raises(TrainingError, match="cannot write the checkpoint of step 2"):
+        _train(toy, "run.name=full-plots", "run.steps=2", "run.save_every=0", log=lines.append)
+    assert any(line.startswith("no summary or plots written in") and "ZeroDivisionError" in line for line in lines)
+
+
 def test_reward_failures_are_shown_once_per_kind_and_summarised(toy, tmp_path):
     path = tmp_path / "rewards.py"
     path.write_text(REWARDS)

@@ -220,12 +220,19 @@ def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: in
     return rows, skipped
 
 
-def held_out_split(rows: list, n: int, seed: int) -> tuple[list, list]:
-    """(training rows, held-out rows): `n` rows drawn at random (by `seed`), at most a tenth of
-    the file, for a file dataset given without data.eval; the rest keep their order."""
+def held_out_count(cfg, rows: int) -> int:
+    """How many of a file's `rows` training prompts `datasets` holds out for evaluation when
+    no data.eval is given: data.n_eval, at most a tenth of them (none without evaluation)."""
+    if cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
+        return min(cfg.data.n_eval, rows // 10)
+    return 0
+
+
+def held_out_split(rows: list, k: int, seed: int) -> tuple[list, list]:
+    """(training rows, held-out rows): `k` rows drawn at random (by `seed`); the rest keep
+    their order."""
     import random
 
-    k = min(n, len(rows) // 10)
     held = set(random.Random(f"held-out/{seed}").sample(range(len(rows)), k))
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
@@ -246,12 +253,12 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
     else:
         train, skipped = load_task_rows(cfg.data.train, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         evals = []
-        if cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
-            train, evals = held_out_split(train, cfg.data.n_eval, cfg.run.seed)
-            if evals:
-                log(f"data.eval not given: holding out {len(evals)} of the {len(train) + len(evals)} prompts of "
-                    f"{cfg.data.train} for evaluation (data.n_eval, at most a tenth; give data.eval=FILE, or "
-                    f"run.eval_every=0 to train on all)")
+        held = held_out_count(cfg, len(train))
+        if held:
+            train, evals = held_out_split(train, held, cfg.run.seed)
+            log(f"data.eval not given: holding out {len(evals)} of the {len(train) + len(evals)} prompts of "
+                f"{cfg.data.train} for evaluation (data.n_eval, at most a tenth; give data.eval=FILE, or "
+                f"run.eval_every=0 to train on all)")
     if cfg.data.eval is not None:
         evals, more = load_task_rows(cfg.data.eval, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         skipped += more

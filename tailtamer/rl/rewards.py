@@ -56,10 +56,10 @@ def load_user_reward(spec: str) -> Callable[[str, str], float]:
             path = Path(target)
             if not path.is_file():
                 raise ConfigError(f"rl.reward: {path} not found")
-            # as `python file.py` would: the file's own directory first, so it imports its neighbours
+            # the file's own directory, so that it imports its neighbours as `python file.py` would
             folder = str(path.resolve().parent)
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
+            if folder not in sys.path:  # after the installed modules, which a neighbour must not shadow
+                sys.path.append(folder)
             module_spec = importlib.util.spec_from_file_location(f"tailtamer_user_reward_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[module_spec.name] = module
@@ -187,8 +187,9 @@ def reward_caller(fn: Callable, name: str) -> Callable[[str, str, dict], object]
                      "extra_info": context.get("extra_info")}
             return fn(**{k: v for k, v in given.items() if k in names})
         return verl
-    if "response" in params and "answer" in params:  # by name, so `fn(answer, response)` gets each right
-        try:
+    names = list(params)
+    if "response" in params and "answer" in params and names.index("answer") < names.index("response"):
+        try:  # `fn(answer, response)`: by name, so each gets its own (in order, it would get the other)
             sig.bind(response=None, answer=None)
             return lambda response, answer, context: fn(response=response, answer=answer)
         except TypeError:  # positional-only parameters: passed in order, as below

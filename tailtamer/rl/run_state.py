@@ -22,7 +22,7 @@ from tailtamer.model.drafter import load_drafter
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint
-from tailtamer.rl.data import PromptOrder, datasets
+from tailtamer.rl.data import PromptOrder, datasets, held_out_count, read_rows
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import RewardScorer, check_routes
 from tailtamer.rl.run_dir import DEFAULT_NAME
@@ -66,13 +66,15 @@ def prompt_limit(cfg: TrainConfig, context: int) -> int:
 
 
 def training_prompts(cfg: TrainConfig) -> int:
-    """How many prompts a step of `cfg` (already `prepare`d) rolls out: rollout.prompts_per_step,
-    or fewer when the training data has fewer (after the held-out split and skipped prompts)."""
-    model_dir = Path(cfg.run.model)
-    tokenizer = load_tokenizer(model_dir)
-    limit = prompt_limit(cfg, load_config(model_dir).max_position_embeddings)
-    train_rows = datasets(cfg, tokenizer, limit, log=lambda _: None)[0]
-    return min(cfg.rollout.prompts_per_step, len(train_rows))
+    """How many prompts a step of `cfg` can share out, counted cheaply for the launcher:
+    rollout.prompts_per_step, or the training rows less the held-out split when fewer. Prompts
+    too long for the model are not subtracted (that takes the tokenizer); `setup` counts them."""
+    if cfg.data.train == "builtin":
+        rows = cfg.data.n_builtin
+    else:
+        rows = len(read_rows(cfg.data.train))
+        rows -= held_out_count(cfg, rows)
+    return min(cfg.rollout.prompts_per_step, rows)
 
 
 def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
@@ -114,8 +116,9 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
             raise ConfigError(f"rl.minibatches ({cfg.rl.minibatches}) must divide a step's {samples} samples: "
                               f"{cfg.data.train} has {prompts} training prompts, fewer than rollout.prompts_per_step="
                               f"{cfg.rollout.prompts_per_step}, times rollout.group_size={cfg.rollout.group_size}")
-        log(f"{cfg.data.train} has {prompts} training prompts, fewer than rollout.prompts_per_step="
-            f"{cfg.rollout.prompts_per_step}: every step rolls out all {prompts}")
+        log(f"{cfg.data.train} has {prompts} training prompt{'s' * (prompts != 1)}, fewer than "
+            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: every step rolls out "
+            f"{'all ' * (prompts != 1)}{prompts}")
     if prompts < workers.world:
         more = " and ".join(fix for fix, short in (("raise rollout.prompts_per_step", cfg.rollout.prompts_per_step),
                                                    ("add prompts to data.train", len(train_rows))) if short < workers.world)

@@ -413,7 +413,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
         log(f"skipped {s.skipped_prompts} prompts longer than {limit} tokens (data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens}, or the model's context less one token)")
     t0 = time.perf_counter()
-    out, reported, hurry = None, set(), False
+    out, reported, completed, hurry = None, set(), False, False
     pace = Pace.from_env()  # `bench train`'s arms take turns step by step; otherwise a no-op
     with StopRequest(log) as stop:
         try:
@@ -468,6 +468,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                         s.drafter.wait()
                     pace.done(s.step - 1)
             pace.finish(cfg.run.steps)
+            completed = True
         except KeyboardInterrupt:
             hurry = True  # a second Ctrl-C: no summary or plots either
             raise Interrupted(f"stopped at once by a second Ctrl-C in step {s.step + 1}; {_resume_hint(s)}") from None
@@ -477,20 +478,20 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
             if s.drafter is not None:
                 s.drafter.wait()
             s.scorer.close()
-            if w.is_main and s.step < cfg.run.steps and s.history and not hurry:  # stopped or failed: its steps
+            if w.is_main and not completed and s.history and not hurry:  # stopped or failed: its steps so far
                 try:
-                    _summarize(s, w.world, time.perf_counter() - t0)
-                except OSError as e:  # the error that stopped the run is the one to report
-                    log(f"cannot write {s.run_dir / 'summary.json'} ({e.strerror or e})")
-    return _summarize(s, w.world, time.perf_counter() - t0) if w.is_main else None
+                    _summarize(s, w.world, time.perf_counter() - t0, finished=False)
+                except (Exception, KeyboardInterrupt) as e:  # what stopped the run is the error to report
+                    log(f"no summary or plots written in {s.run_dir} ({type(e).__name__}: {e})")
+    return _summarize(s, w.world, time.perf_counter() - t0, finished=True) if w.is_main else None
 
 
-def _summarize(s: RunState, world: int, seconds: float) -> dict:
-    """Write summary.json and the plots of the run's steps so far (`finished` once it has
-    taken all of run.steps) and return the summary."""
+def _summarize(s: RunState, world: int, seconds: float, finished: bool) -> dict:
+    """Write summary.json and the plots of the run's steps so far (`finished`: it went through
+    all of run.steps and its last checkpoint) and return the summary."""
     last = s.history[-1] if s.history else {}
     summary = run_summary(s.history, s.eval_at_start, seconds, run_dir=str(s.run_dir), workers=world,
-                          finished=s.step >= s.cfg.run.steps, skipped_prompts=s.skipped_prompts,
+                          finished=finished, skipped_prompts=s.skipped_prompts,
                           **{k: last.get(k, 0) for k in s.scorer.counts()},  # summed over workers
                           reward_failures=last.get("reward_failures", {}))
     atomic_write_json(s.run_dir / "summary.json", summary)
@@ -521,7 +522,8 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
     if "WORLD_SIZE" in os.environ:
         return run_worker(cfg, resume, console)
     device = resolve_device(cfg.run.device, "run.device")
-    world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step, gpu_count() if device.type == "cuda" else 0)
+    gpus = gpu_count() if device.type == "cuda" else 0
+    world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step, gpus)
     if world == 1:
         return train(cfg, resume, console=console)
     # The launcher claims the run directory (and holds its lock while the workers run) and
@@ -534,9 +536,9 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
             prompts = training_prompts(cfg)
             if prompts < world:
                 world = max(1, prompts)
-                print(f"run.workers=0: {world} worker{'s' * (world > 1)} rather than one per core, as a step has "
-                      f"only {prompts} prompt{'s' * (prompts != 1)} to share (rollout.prompts_per_step={cfg.rollout.prompts_per_step}, "
-                      f"data.train={cfg.data.train})")
+                print(f"run.workers=0: {world} worker{'s' * (world > 1)} rather than one per "
+                      f"{'GPU' if gpus else 'core'}, as a step has only {prompts} prompt{'s' * (prompts != 1)} to "
+                      f"share (rollout.prompts_per_step={cfg.rollout.prompts_per_step}, data.train={cfg.data.train})")
         if world == 1:
             return train(cfg, resume, console=console, claimed=True)
         return spawn(world, run_worker, (cfg, resume, console, True), str(run_dir_of(cfg, resume)))
