@@ -19,7 +19,6 @@ With one worker there is no process group: every collective below is the identit
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import pickle
 import signal
@@ -272,35 +271,46 @@ def _spawned(rank: int, world: int, port: int, entry: Callable, args: tuple, res
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         value = entry(*args)
-    except Interrupted as e:  # stopped by Ctrl-C between steps: a clean end, not a failure
+    except Interrupted as e:  # stopped by Ctrl-C or SIGTERM between steps: a clean end, not a failure
         results.put(("interrupted", rank, str(e)))
         value = None
-    except TailtamerError as e:  # a clear message for the launcher to show, not a traceback
-        results.put(("error", rank, str(e)))
-        raise
     except KeyboardInterrupt:  # a second Ctrl-C: the launcher stops everyone and says so
         os._exit(130)
+    except BaseException as e:  # one line for the launcher, in the order the workers failed
+        results.put(("error", rank, str(e) if isinstance(e, TailtamerError) else f"{type(e).__name__}: {e}"))
+        _exit(1)
     if rank == 0 and value is not None:
         results.put(("ok", rank, value))  # written to the pipe before put returns
+    _exit(0)
+
+
+def _exit(code: int) -> None:
     # Skip interpreter teardown: destroying the c10d store's threads at exit can abort a
-    # finished worker (std::terminate), which the launcher would report as a crash.
+    # worker (std::terminate), which the launcher would report as a crash.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
+
+
+# After a worker fails, how long the others get to end on their own (they fail in their next
+# collective, or finish the checkpoint a stop writes) before they are killed.
+FAILURE_GRACE_S = 30.0
 
 
 def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
     """Run `entry(*args)` in `world` local worker processes and return worker 0's result. If
-    one raises or dies, the others are stopped and a WorkerError says which and what;
-    checkpoints are written atomically, so the last one in `run_dir` stays valid."""
+    one raises or dies, the others get FAILURE_GRACE_S to end, then are killed, and a
+    WorkerError says which failed first and why; checkpoints are written atomically, so the
+    last one in `run_dir` stays valid. A SIGTERM to this process is passed on to the workers,
+    which stop after their step, as with Ctrl-C."""
+    from multiprocessing.connection import wait
+
     import torch.multiprocessing as mp
 
-    # We say which worker failed and why; torch's "Terminating process N" warnings only add noise.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     results = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(_spawned, args=(world, _free_port(), entry, args, results), nprocs=world,
-                               join=False, start_method="spawn")
-    value, reported, interrupted = None, {}, {}
+                               join=False, start_method="spawn").processes
+    value, errors, interrupted = None, [], {}
 
     def drain():
         nonlocal value
@@ -311,40 +321,64 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
             elif kind == "interrupted":
                 interrupted[rank] = payload
             else:
-                reported[rank] = payload
+                errors.append((rank, payload))
 
-    try:
-        # The workers see Ctrl-C too and stop after their step; a second one stops them here.
-        with StopRequest():
-            while not procs.join(timeout=0.5):
-                drain()
-    except KeyboardInterrupt:
-        for process in procs.processes:
+    def pass_on_sigterm():  # idempotent in the workers, so a SIGTERM to the whole group is one stop
+        for process in procs:
             if process.is_alive():
-                process.terminate()
-        raise Interrupted(f"stopped at once by a second Ctrl-C; {_resume_note(run_dir)}") from None
-    except mp.ProcessExitedException as e:
-        if e.exit_code == 130:  # Ctrl-C before the worker's steps began (or a second one)
-            raise Interrupted(f"stopped by Ctrl-C; {_resume_note(run_dir)}") from None
-        raise _died(e.error_index, e.exit_code, _resume_note(run_dir)) from None
-    except mp.ProcessRaisedException as e:
-        drain()
-        # A worker killed outright makes its peers fail in their next collective; the dead
-        # one, not the peer that noticed first, is the cause to report.
-        for rank, process in enumerate(procs.processes):
-            if rank != e.error_index and process.exitcode == 130:
-                raise Interrupted(f"stopped by Ctrl-C; {_resume_note(run_dir)}") from None
-            if rank != e.error_index and process.exitcode is not None and process.exitcode < 0 \
-                    and process.exitcode != -signal.SIGTERM:  # SIGTERM: stopped by the launcher
-                raise _died(rank, process.exitcode, _resume_note(run_dir)) from None
-        message = reported.get(e.error_index) or e.msg.strip().splitlines()[-1]
-        raise WorkerError(f"worker {e.error_index}: {message}") from None
+                os.kill(process.pid, signal.SIGTERM)
+
+    failed_at, killed = None, []
+    with StopRequest(on_term=pass_on_sigterm) as stop:
+        try:
+            while any(process.exitcode is None for process in procs):
+                wait([process.sentinel for process in procs if process.exitcode is None], timeout=0.5)
+                drain()
+                if failed_at is None and any(process.exitcode not in (None, 0) for process in procs):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                    killed = [rank for rank, process in enumerate(procs) if process.is_alive()]
+                    _kill(procs)
+        except KeyboardInterrupt:  # a second Ctrl-C
+            _kill(procs)
+            raise Interrupted(f"stopped at once by a second Ctrl-C; {_resume_note(run_dir)}") from None
     drain()
+    if failed_at is not None:
+        codes = [None if rank in killed else process.exitcode for rank, process in enumerate(procs)]
+        raise _failure(codes, errors, stop.reason, _resume_note(run_dir))
     if interrupted:
         raise Interrupted(interrupted.get(0) or next(iter(interrupted.values())))
     if value is None:
         raise WorkerError("worker 0 ended without a result")
     return value[0]
+
+
+def _kill(procs) -> None:
+    for process in procs:
+        if process.is_alive():
+            process.kill()
+    for process in procs:
+        process.join()
+
+
+def _failure(codes: list, errors: list, stopped_by: str | None, resume: str) -> TailtamerError:
+    """What to report when workers failed: `codes` are their exit codes (None: killed by the
+    launcher once the others had failed), `errors` the messages they sent, in the order they
+    failed. A worker killed
+    outright makes its peers fail in their next collective, so the dead one is the cause; a
+    stop before the workers' steps began (they die of the signal) is a stop, not a failure."""
+    stop_codes = {130: "Ctrl-C", -signal.SIGINT: "Ctrl-C", -signal.SIGTERM: "SIGTERM"}
+    for rank, code in enumerate(codes):
+        if code is not None and code < 0 and (code not in stop_codes or stop_codes[code] != stopped_by):
+            return _died(rank, code, resume)
+    stops = [stop_codes[code] for code in codes if code in stop_codes]
+    if stops:  # the peers' errors (a collective without them) are its consequence
+        return Interrupted(f"stopped by {stops[0]}; {resume}")
+    if errors:
+        rank, message = errors[0]
+        return WorkerError(f"worker {rank}: {message}")
+    rank = next(r for r, code in enumerate(codes) if code not in (None, 0))
+    return _died(rank, codes[rank], resume)
 
 
 def _resume_note(run_dir: str) -> str:

@@ -1,6 +1,7 @@
-"""Stopping a run by hand: the first Ctrl-C finishes the step, saves a checkpoint and says how
-to resume; a second one stops at once (the last checkpoint stays valid: they are atomic). And
-child processes that stop with their parent."""
+"""Stopping a run: the first Ctrl-C, or a SIGTERM (what SLURM, Kubernetes and `docker stop`
+send before they kill), finishes the step, saves a checkpoint and says how to resume; a second
+Ctrl-C stops at once (the last checkpoint stays valid: they are atomic). And child processes
+that stop with their parent."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 from tailtamer.errors import TailtamerError
+
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 class Interrupted(TailtamerError):
@@ -17,30 +21,41 @@ class Interrupted(TailtamerError):
 
 
 class StopRequest:
-    """While active, SIGINT sets `requested` instead of raising; a second SIGINT raises
-    KeyboardInterrupt. Only the main thread can own signal handlers: elsewhere it is inert."""
+    """While active, SIGINT and SIGTERM set `requested` (and `reason`: what asked) instead of
+    ending the process. A second SIGINT raises KeyboardInterrupt: stop at once. SIGTERM never
+    escalates: sent to a whole process group it reaches a worker twice (directly and passed on
+    by the launcher), and the schedulers that send it follow with SIGKILL when they stop
+    waiting. `on_term` runs on each SIGTERM (the launcher passes it on to its workers). Only
+    the main thread can own signal handlers: elsewhere it is inert."""
 
-    def __init__(self, log=None):
+    def __init__(self, log=None, on_term: Callable[[], None] | None = None):
         self.requested = False
+        self.reason: str | None = None
         self.log = log
-        self._previous = None
+        self.on_term = on_term
+        self._previous: dict = {}
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNAL_NAMES}
         return self
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGTERM and self.on_term is not None:
+            self.on_term()
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.requested, self.reason = True, SIGNAL_NAMES[signum]
         if self.log is not None:
-            self.log("Ctrl-C: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)")
+            again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+            self.log(f"{self.reason}: stopping after this step, with a checkpoint{again}")
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 def exit_with_parent() -> None:

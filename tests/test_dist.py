@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tailtamer.config import load_train_config
-from tailtamer.errors import ConfigError
+from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.dist import WorkerError, Workers, resolve_workers, spawn
 from tailtamer.rl.batching import balanced_shares, balanced_shares_by_group
 from tailtamer.rl.trainer import TrainingError, check_same_weights, run_worker, train
@@ -196,6 +196,24 @@ def test_the_dead_worker_is_named_not_the_peer_that_noticed():
     for _ in range(3):  # whichever the launcher sees first, the dead one is reported
         with pytest.raises(WorkerError, match=r"worker 1 died \(killed by SIGKILL\).*no checkpoint was written yet"):
             spawn(2, kill_worker_1, (), "runs/x")
+
+
+def fail_worker_0_while_1_computes():
+    w = Workers.from_env(30)
+    if w.rank == 0:
+        raise TailtamerError("a bad row")
+    time.sleep(120)  # no collective to notice the failure in: the launcher has to end it
+
+
+def test_a_worker_that_does_not_end_after_a_failure_is_killed_after_the_grace(monkeypatch):
+    """The first failure is reported, once the others end or FAILURE_GRACE_S after it."""
+    import tailtamer.dist as dist
+
+    monkeypatch.setattr(dist, "FAILURE_GRACE_S", 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"^worker 0: a bad row$"):
+        spawn(2, fail_worker_0_while_1_computes, (), "runs/x")
+    assert time.monotonic() - t0 < 60
 
 
 def interrupt_worker_1():

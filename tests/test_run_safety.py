@@ -308,6 +308,27 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers):
     assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "straight"))
 
 
+@pytest.mark.parametrize("workers,to", [(1, "process"), (2, "launcher"), (2, "group")])
+def test_sigterm_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers, to):
+    """SIGTERM (SLURM, Kubernetes, `docker stop`), to the launcher alone (passed on to the
+    workers) or to the whole process group (each worker gets it twice: still one stop), ends
+    the step and saves a checkpoint, as a first Ctrl-C does; the reward process ignores it."""
+    run = tmp_path / "runs" / "term"
+    proc = _cli_train(toy + ["run.save_every=0", f"run.workers={workers}", "run.steps=40", "run.name=term"], tmp_path)
+    deadline = time.time() + 120
+    while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    (os.killpg if to == "group" else os.kill)(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "reward" not in err
+    done = len(_rows(run))
+    assert f"stopped by SIGTERM after step {done} of 40" in err and f"tailtamer train --resume {run}" in err
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{done:06d}"
+    assert json.loads((run / "summary.json").read_text())["finished"] is False
+
+
 def test_more_workers_than_prompts_is_a_startup_error(toy, monkeypatch):
     from tailtamer.dist import Workers
     from tailtamer.rl.run_state import setup

@@ -20,7 +20,8 @@ from tailtamer.stopping import exit_with_parent
 
 def main(read_fd: int, write_fd: int) -> None:
     exit_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
+    for stop in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle (it ends its step); it stops us
+        signal.signal(stop, signal.SIG_IGN)
     # A reward that prints must not be able to corrupt the channel: stdout goes to stderr.
     os.dup2(2, 1)
     sys.stdout = sys.stderr

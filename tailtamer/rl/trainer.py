@@ -345,18 +345,17 @@ def _checkpoint(s: RunState) -> None:
     """Worker 0 writes it: every worker holds the same weights (checked each step). A write
     that fails (full disk, read-only directory) stops the run; the last good one stays."""
     optimizer_state = s.sharding.optimizer_state(s.optimizer)  # a collective when sharded
-    if not s.workers.is_main:
-        return
-    extra = None if s.drafter is None else (lambda tmp: s.drafter.save(tmp / "drafter"))
-    try:
-        evaluated = s.history[-1].get("eval_accuracy") if s.history else None  # of these weights, if evaluated
-        save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, optimizer_state, s.scheduler,
-                        {"weights_sha": weights_checksum(s.model), "eval_accuracy": evaluated},
-                        keep=s.cfg.run.keep_checkpoints, extra=extra)
-    except OSError as e:
-        raise TrainingError(f"cannot write the checkpoint of step {s.step} into {s.run_dir / 'checkpoints'} "
-                            f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
-    s.saved_step = s.step
+    if s.workers.is_main:
+        extra = None if s.drafter is None else (lambda tmp: s.drafter.save(tmp / "drafter"))
+        try:
+            evaluated = s.history[-1].get("eval_accuracy") if s.history else None  # of these weights, if evaluated
+            save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, optimizer_state, s.scheduler,
+                            {"weights_sha": weights_checksum(s.model), "eval_accuracy": evaluated},
+                            keep=s.cfg.run.keep_checkpoints, extra=extra)
+        except OSError as e:
+            raise TrainingError(f"cannot write the checkpoint of step {s.step} into {s.run_dir / 'checkpoints'} "
+                                f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
+    s.saved_step = s.step  # on every worker, so that all of them agree on what is saved
 
 
 def _resume_hint(s: RunState) -> str:
@@ -367,9 +366,11 @@ def _resume_hint(s: RunState) -> str:
 
 
 def _save_before_stopping(s: RunState) -> str:
-    """Checkpoint the state between two steps if it is newer than the last checkpoint."""
+    """Checkpoint the state between two steps if it is newer than the last checkpoint; every
+    worker calls it, and none goes on (to end its process) before worker 0 has written it."""
     if s.step > 0 and s.saved_step != s.step:
         _checkpoint(s)
+        s.workers.barrier()
     return _resume_hint(s)
 
 
@@ -461,7 +462,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                 if (cfg.run.save_every and s.step % cfg.run.save_every == 0) or s.step == cfg.run.steps:
                     _checkpoint(s)
                 if w.any(stop.requested) and s.step < cfg.run.steps:
-                    raise Interrupted(f"stopped by Ctrl-C after step {s.step} of {cfg.run.steps}; "
+                    raise Interrupted(f"stopped by {stop.reason or 'a stop request (Ctrl-C or SIGTERM) to another worker'}"
+                                      f" after step {s.step} of {cfg.run.steps}; "
                                       f"{_save_before_stopping(s)}")
                 if w.is_main and pace.dir is not None:  # the step's writes too are done in its turn
                     if s.drafter is not None:
