@@ -261,8 +261,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned(rank: int, world: int, port: int, entry: Callable, args: tuple, results) -> None:
-    exit_with_parent()
+def _spawned(rank: int, world: int, port: int, launcher: int, entry: Callable, args: tuple, results) -> None:
+    exit_with_parent(launcher)
     # A tqdm bar (torch.compile's tracing makes one) would create a multiprocessing lock, which
     # the os._exit below leaves to the launcher's resource tracker to warn about.
     tqdm.set_lock(threading.RLock())
@@ -308,8 +308,8 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(_spawned, args=(world, _free_port(), entry, args, results), nprocs=world,
-                               join=False, start_method="spawn").processes
+    procs = mp.start_processes(_spawned, args=(world, _free_port(), os.getpid(), entry, args, results),
+                               nprocs=world, join=False, start_method="spawn").processes
     value, errors, interrupted = None, [], {}
 
     def drain():

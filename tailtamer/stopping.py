@@ -58,11 +58,11 @@ class StopRequest:
         self._previous = {}
 
 
-def exit_with_parent() -> None:
-    """End this process as soon as its parent is gone (e.g. killed with SIGKILL): an orphaned
-    worker would go on writing into the run directory, and an orphaned reward process stuck in
-    a loop would never end."""
-    parent = os.getppid()
+def exit_with_parent(parent: int) -> None:
+    """End this process as soon as its parent, the process `parent` (its PID, passed in by the
+    parent: one that died while this process was still starting would already read as 1 here),
+    is gone, e.g. killed with SIGKILL: an orphaned worker would go on writing into the run
+    directory, and an orphaned reward process stuck in a loop would never end."""
 
     def watch():
         while os.getppid() == parent:

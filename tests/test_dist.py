@@ -372,3 +372,19 @@ def test_rebalance_deals_only_what_the_update_computes():
     costs = {0: 7, 2: 9, 5: 8, 6: 11}  # the computed ones, dealt by their rows' widths
     loads = [sum(costs.get(i, 0) for i in share) for share in shares]
     assert abs(loads[0] - loads[1]) <= max(costs.values())
+
+
+def test_a_process_whose_parent_died_while_it_started_exits():
+    """A launcher killed while its workers still import torch: each worker is told its parent's
+    PID, so one that starts as an orphan (its parent already gone) ends at once."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a PID that is no process's parent now
+    child = subprocess.run([sys.executable, "-c", f"import time; from tailtamer.stopping import exit_with_parent; "
+                            f"exit_with_parent({gone.pid}); time.sleep(60)"], timeout=50)
+    assert child.returncode == 1
+    alive = subprocess.Popen([sys.executable, "-c", "import os, time; from tailtamer.stopping import "
+                              "exit_with_parent; exit_with_parent(os.getppid()); time.sleep(2)"])
+    assert alive.wait(timeout=50) == 0  # its parent (this process) lives: it runs to its end

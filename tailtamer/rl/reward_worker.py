@@ -1,4 +1,4 @@
-"""The reward process (`python -m tailtamer.rl.reward_worker READ_FD WRITE_FD`), started by
+"""The reward process (`python -m tailtamer.rl.reward_worker READ_FD WRITE_FD PARENT_PID`), started by
 `RewardScorer`: it loads the reward once, then scores batches one call at a time, answering
 each call on its own so the trainer can charge a hang or a crash to the sample that caused it.
 
@@ -18,8 +18,8 @@ from multiprocessing.connection import Connection
 from tailtamer.stopping import exit_with_parent
 
 
-def main(read_fd: int, write_fd: int) -> None:
-    exit_with_parent()
+def main(read_fd: int, write_fd: int, parent: int) -> None:
+    exit_with_parent(parent)
     for stop in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle (it ends its step); it stops us
         signal.signal(stop, signal.SIG_IGN)
     # A reward that prints must not be able to corrupt the channel: stdout goes to stderr.
@@ -61,4 +61,4 @@ def main(read_fd: int, write_fd: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -260,7 +260,7 @@ class RewardScorer:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tailtamer.rl.reward_worker", str(to_child_r), str(from_child_w)],
+            [sys.executable, "-m", "tailtamer.rl.reward_worker", str(to_child_r), str(from_child_w), str(os.getpid())],
             pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
         os.close(to_child_r)
         os.close(from_child_w)
