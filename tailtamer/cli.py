@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -233,6 +234,8 @@ def cmd_bench(args) -> None:
     if args.what == "profile":
         from tailtamer.bench_profile import bench_profile
 
+        if args.steps < 2 and not args.model:  # the first step, which warms up, is left out
+            raise TailtamerError(f"--steps must be >= 2 for bench profile, got {args.steps}")
         report = bench_profile(args.model, rl_steps=0 if args.model else args.steps, repeats=args.repeats)
     elif args.what == "train":
         if args.model or args.preset:
@@ -354,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--out", help="also write the report here")
-    b.add_argument("--steps", type=int, default=10, help="train: RL steps per run")
+    b.add_argument("--steps", type=int, default=10, help="train, profile: RL steps per run (profile: >= 2)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="train: a config override (repeatable)")
     b.set_defaults(func=cmd_bench)
     return p
@@ -365,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except Interrupted as e:
-        print(f"stopped: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every worker stops alike: one says so
+            print(f"stopped: {e}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
         print("stopped: interrupted (Ctrl-C); files are written atomically, so nothing is half-written",

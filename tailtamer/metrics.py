@@ -79,10 +79,11 @@ def _scalars(row: dict) -> dict[str, float]:
 
 
 class TensorBoardLogger:
-    def __init__(self, run_dir: Path, cfg_dict: dict):
+    def __init__(self, run_dir: Path, cfg_dict: dict, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        # A resumed run logs again the steps after its checkpoint: their first events go.
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step + 1 if first_step else None)
 
     def log(self, row: dict) -> None:
         for key, value in _scalars(row).items():
@@ -100,7 +101,7 @@ class TensorBoardLogger:
 class WandbLogger:
     """Offline by default (no account needed); `WANDB_MODE=online` syncs as usual."""
 
-    def __init__(self, run_dir: Path, cfg_dict: dict):
+    def __init__(self, run_dir: Path, cfg_dict: dict, first_step: int):
         import os
 
         import wandb
@@ -138,7 +139,8 @@ def check_loggers(names: tuple[str, ...]) -> None:
             raise ConfigError(f"run.loggers: unknown logger {name!r}; choose from {sorted(LOGGERS)}")
         package = LOGGERS[name][1]
         if importlib.util.find_spec(package) is None:
-            raise ConfigError(f"run.loggers: {name} needs a package that is not installed (pip install {package})")
+            raise ConfigError(f"run.loggers: {name} needs a package that is not installed "
+                              f"(pip install \"tailtamer[{name}]\", or {package})")
 
 
 class RunLog:
@@ -146,7 +148,7 @@ class RunLog:
 
     def __init__(self, run_dir: Path, names: tuple[str, ...], cfg_dict: dict, steps: int, first_step: int,
                  console: Callable[[str], None] | None):
-        loggers = [LOGGERS[n][0](run_dir, cfg_dict) for n in names]
+        loggers = [LOGGERS[n][0](run_dir, cfg_dict, first_step) for n in names]
         self.sinks = [JsonlLogger(run_dir, cfg_dict)] + loggers
         self.sample_sinks = [SamplesLogger(run_dir, cfg_dict)] + loggers
         self.steps = steps

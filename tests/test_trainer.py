@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -224,7 +225,7 @@ def test_tensorboard_logger_without_the_package_is_a_startup_error(toy, monkeypa
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
-    with pytest.raises(ConfigError, match="run.loggers.*pip install tensorboard"):
+    with pytest.raises(ConfigError, match=r"run.loggers.*pip install \"tailtamer\[tensorboard\]\", or tensorboard"):
         train(load_train_config(None, toy + ["run.loggers=[tensorboard]"]), log=lambda _: None)
     with pytest.raises(ConfigError, match="unknown logger 'mlflow'"):
         train(load_train_config(None, toy + ["run.loggers=[mlflow]"]), log=lambda _: None)
@@ -246,7 +247,8 @@ def test_tensorboard_and_wandb_receive_every_step(toy, tmp_path, monkeypatch):
     fake.Table = lambda columns, data: {"columns": columns, "data": data}
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    train(load_train_config(None, toy + ["run.steps=3", "run.loggers=[tensorboard,wandb]", "run.name=loggers"]),
+    train(load_train_config(None, toy + ["run.steps=3", "run.save_every=2", "run.loggers=[tensorboard,wandb]",
+                                         "run.name=loggers"]),
           log=lambda _: None, console=lambda _: None)
     run = tmp_path / "runs" / "loggers"
     rewards = [r["reward_mean"] for r in _rows(run)]
@@ -263,6 +265,13 @@ def test_tensorboard_and_wandb_receive_every_step(toy, tmp_path, monkeypatch):
     tags = set(events.Tags()["scalars"])
     assert {"time/step_s", "rollout/response_len_mean", "train/loss", "reward/accuracy"} <= tags
     assert not any(t.startswith("drafter/") for t in tags)  # no drafter in the toy job
+    # killed after step 3 with its checkpoint of step 2: the resume logs step 3 again, once
+    shutil.rmtree(run / "checkpoints" / "step-000003")
+    (run / "checkpoints" / "latest").write_text("step-000002\n")
+    train(load_train_config(run / "config.yaml", ["run.steps=4"]), resume=run, log=lambda _: None, console=lambda _: None)
+    scalars = EventAccumulator(str(run / "tensorboard")).Reload().Scalars("reward/reward_mean")
+    assert [e.step for e in scalars] == [1, 2, 3, 4]
+    assert [e.value for e in scalars] == pytest.approx([r["reward_mean"] for r in _rows(run)])
 
 
 def test_samples_log_shows_what_the_model_wrote(toy, tmp_path):
