@@ -135,7 +135,7 @@ def worked_prompts(tokenizer, n: int, seed: int, min_ops: int = 4) -> list[list[
 
 
 def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STRATEGIES, repeats: int = 1,
-             new_tokens: int = 256, temperature: float = 1.0) -> dict:
+             new_tokens: int = 256, temperature: float = 1.0, drafter_dir: str | None = None) -> dict:
     """Accept length and speedup of speculative decoding over plain decoding on the built-in
     task, with the warmed-up EAGLE drafter and with the n-gram drafter, per batch size.
 
@@ -149,7 +149,7 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
 
     path = _default_model_dir(model_dir)
     model, tokenizer = load_pretrained(path)
-    drafter = load_drafter(ensure_builtin_drafter(path), model)
+    drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path), model)
     prompts_all = worked_prompts(tokenizer, max(batches + (8,)), seed=424242, min_ops=8)
     params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1)
     arms = [(f"eagle {s}", lambda s=s: Speculator.fixed(EagleProposer(drafter), s)) for s in strategies]
@@ -179,7 +179,8 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
 
 
 def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, repeats: int = 1,
-                  max_new_tokens: int = 512, plot: str | None = "runs/bench-rollout.png") -> dict:
+                  max_new_tokens: int = 512, plot: str | None = "runs/bench-rollout.png",
+                  drafter_dir: str | None = None) -> dict:
     """A long-tail GRPO-style rollout (prompts × n samples at T=1, all admitted at once) run as
     (a) plain decoding, (b) SD on every step with a fixed strategy, (c) adaptive: plain while more
     than spec.bs_threshold requests run, then SD with the BEG-MAB tuner, (d) the same with the
@@ -193,7 +194,7 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
 
     path = _default_model_dir(model_dir)
     model, tokenizer = load_pretrained(path)
-    drafter = load_drafter(ensure_builtin_drafter(path), model)
+    drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path), model)
     problems = ArithmeticTask().dataset(prompts, seed=31337)
     ids = [tokenizer.encode(p["prompt"]) for p in problems]
     params = SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=2)

@@ -229,6 +229,12 @@ def cmd_bench(args) -> None:
     at_least_one(args.repeats, "--repeats")
     at_least_one(args.steps, "--steps")
     at_least_one(args.new_tokens, "--new-tokens")
+    drafts = args.what in ("sd", "rollout", "profile")
+    if args.drafter and not drafts:
+        raise TailtamerError(f"--drafter is for bench sd, rollout and profile, not bench {args.what}")
+    if drafts and args.model and not args.drafter:  # the built-in drafter is trained for the built-in model
+        raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
+                             f"model (tailtamer drafter train --model {args.model} --data ... --out DIR)")
     if args.out:
         output_file(args.out, "--out")
     if args.what == "profile":
@@ -236,17 +242,18 @@ def cmd_bench(args) -> None:
 
         if args.steps < 2 and not args.model:  # the first step, which warms up, is left out
             raise TailtamerError(f"--steps must be >= 2 for bench profile, got {args.steps}")
-        report = bench_profile(args.model, rl_steps=0 if args.model else args.steps, repeats=args.repeats)
+        report = bench_profile(args.model, rl_steps=0 if args.model else args.steps, repeats=args.repeats,
+                               drafter_dir=args.drafter)
     elif args.what == "train":
         if args.model or args.preset:
             raise TailtamerError("bench train runs the built-in default job; change it with --set key=value")
         report = bench_train(args.steps, args.repeats, overrides=tuple(args.set))
     elif args.what == "rollout":
-        report = bench_rollout(args.model, repeats=args.repeats)
+        report = bench_rollout(args.model, repeats=args.repeats, drafter_dir=args.drafter)
     elif args.what == "sd":
         if args.preset:
             raise TailtamerError("bench sd needs a trained model and drafter; --preset is for bench decode")
-        report = bench_sd(args.model, repeats=args.repeats)
+        report = bench_sd(args.model, repeats=args.repeats, drafter_dir=args.drafter)
     elif args.preset:
         report = bench_random_model(args.preset, args.repeats, args.new_tokens)
     else:
@@ -353,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="side-by-side benchmarks; prints a JSON report of ratios")
     b.add_argument("what", choices=["decode", "sd", "rollout", "train", "profile"])
     b.add_argument("--model", help="model directory (default: the built-in base model)")
+    b.add_argument("--drafter", help="sd, rollout, profile: the EAGLE drafter of --model (needed with it)")
     b.add_argument("--preset", help="benchmark a random model of this preset size instead")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")
     b.add_argument("--new-tokens", type=int, default=64)
