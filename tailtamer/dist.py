@@ -326,7 +326,10 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
     def pass_on_sigterm():  # idempotent in the workers, so a SIGTERM to the whole group is one stop
         for process in procs:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
+                try:
+                    os.kill(process.pid, signal.SIGTERM)
+                except ProcessLookupError:  # it ended in between
+                    pass
 
     failed_at, killed = None, []
     with StopRequest(on_term=pass_on_sigterm) as stop:
@@ -364,9 +367,9 @@ def _kill(procs) -> None:
 def _failure(codes: list, errors: list, stopped_by: str | None, resume: str) -> TailtamerError:
     """What to report when workers failed: `codes` are their exit codes (None: killed by the
     launcher once the others had failed), `errors` the messages they sent, in the order they
-    failed. A worker killed
-    outright makes its peers fail in their next collective, so the dead one is the cause; a
-    stop before the workers' steps began (they die of the signal) is a stop, not a failure."""
+    failed. A worker killed outright makes its peers fail in their next collective, so the dead
+    one is the cause; a stop before the workers' steps began (they die of the signal) is a
+    stop, not a failure."""
     stop_codes = {130: "Ctrl-C", -signal.SIGINT: "Ctrl-C", -signal.SIGTERM: "SIGTERM"}
     for rank, code in enumerate(codes):
         if code is not None and code < 0 and (code not in stop_codes or stop_codes[code] != stopped_by):

@@ -456,9 +456,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                     if s.drafter is not None:  # the newest published drafter, ready to serve, written in the background
                         s.drafter.checkpoint_async(s.run_dir / "drafter")
                 if s.bad_steps >= cfg.run.max_bad_steps > 0:
-                    _checkpoint(s)
                     raise TrainingError(f"{s.bad_steps} non-finite losses in a row at step {s.step}; "
-                                        f"checkpoint saved in {s.run_dir / 'checkpoints'}")
+                                        f"{_save_before_stopping(s)}")
                 if (cfg.run.save_every and s.step % cfg.run.save_every == 0) or s.step == cfg.run.steps:
                     _checkpoint(s)
                 if w.any(stop.requested) and s.step < cfg.run.steps:
