@@ -281,6 +281,16 @@ def _cli_train(args, cwd):
                             stderr=subprocess.PIPE, start_new_session=True, cwd=cwd, text=True)
 
 
+def _signal_after_two_steps(proc, run, send) -> str:
+    """`send` a signal once the run in `proc` has logged two steps; its stderr once it ends."""
+    deadline = time.time() + 120
+    while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    send()
+    return proc.communicate(timeout=120)[1]
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) ends the step, saves a
@@ -290,12 +300,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers):
     args = common + ["run.steps=40", "run.name=stopped"]
     run = tmp_path / "runs" / "stopped"
     proc = _cli_train(args, tmp_path)
-    deadline = time.time() + 120
-    while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    err = _signal_after_two_steps(proc, run, lambda: os.killpg(proc.pid, signal.SIGINT))
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     done = len(_rows(run))
@@ -315,12 +320,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers, 
     the step and saves a checkpoint, as a first Ctrl-C does; the reward process ignores it."""
     run = tmp_path / "runs" / "term"
     proc = _cli_train(toy + ["run.save_every=0", f"run.workers={workers}", "run.steps=40", "run.name=term"], tmp_path)
-    deadline = time.time() + 120
-    while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-        time.sleep(0.02)
-    (os.killpg if to == "group" else os.kill)(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    err = _signal_after_two_steps(proc, run, lambda: (os.killpg if to == "group" else os.kill)(proc.pid, signal.SIGTERM))
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "reward" not in err
     done = len(_rows(run))
