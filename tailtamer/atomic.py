@@ -1,9 +1,11 @@
-"""Atomic file writes: a crash mid-write leaves the previous file, never a torn one."""
+"""Atomic writes of files and directories: a crash mid-write leaves what was there before,
+never a torn file or a half-filled directory."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -35,6 +37,29 @@ def temp_dir(final: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())
     return tmp
+
+
+def write_dir(final: Path, write: Callable[[Path], None], existing: str = "empty") -> bool:
+    """Fill a directory with `write(tmp)` in a hidden sibling and rename it to `final`, so an
+    error or an interrupt leaves `final` as it was. `existing`, for a `final` already there:
+    "empty" (only an empty directory is replaced, as a command's fresh --out), "replace" (a
+    checkpoint written again), "keep" (another process wrote it first: this one's is dropped,
+    and the result is False)."""
+    final = Path(os.path.abspath(final))  # `--out .` too has a parent to write the sibling in
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir(final)
+    try:
+        write(tmp)
+        if final.exists() and existing == "keep":
+            shutil.rmtree(tmp)
+            return False
+        if final.exists() and existing == "replace":
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # onto an empty directory too; a non-empty one is an OSError
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return True
 
 
 def _umask() -> int:

@@ -146,7 +146,7 @@ def cmd_generate(args) -> None:
 def cmd_drafter_train(args) -> None:
     from dataclasses import replace
 
-    from tailtamer.atomic import atomic_write_json
+    from tailtamer.atomic import atomic_write_json, write_dir
     from tailtamer.drafter.train import DrafterTrainConfig, encode_texts, read_texts, train_drafter
     from tailtamer.model.drafter import load_drafter, save_drafter
     from tailtamer.model.io import load_pretrained
@@ -163,27 +163,34 @@ def cmd_drafter_train(args) -> None:
         texts = read_texts(args.data)
     start = load_drafter(args.init, model) if args.init else None
     drafter, info = train_drafter(model, encode_texts(tokenizer, texts, cfg.max_len), cfg, drafter=start)
-    save_drafter(drafter, args.out)
-    atomic_write_json(Path(args.out) / "train.json", info)
+
+    def write(tmp: Path) -> None:
+        save_drafter(drafter, tmp)
+        atomic_write_json(tmp / "train.json", info)
+
+    write_dir(Path(args.out), write)
     print(f"wrote the drafter to {args.out} (top-1 agreement with the target {info['final']['top1']:.1%})")
 
 
 def cmd_sft(args) -> None:
     from dataclasses import replace
 
+    from tailtamer.atomic import write_dir
     from tailtamer.sft import SFTConfig, ensure_base_model, train_sft
 
     given = {"steps": args.steps, "habit_steps": args.habit_steps, "seed": args.seed, "preset": args.preset}
     cfg = replace(SFTConfig(), **{k: v for k, v in given.items() if v is not None})
     if args.out:
         fresh_output_dir(args.out, "--out")
-        info = train_sft(cfg, args.out)
+        info = {}
+        write_dir(Path(args.out), lambda tmp: info.update(train_sft(cfg, tmp)))
         print(f"wrote the base model to {args.out} (final loss {info['final_loss']:.4f})")
     else:
         print(ensure_base_model(cfg))
 
 
 def cmd_init_model(args) -> None:
+    from tailtamer.atomic import write_dir
     from tailtamer.model.config import preset_config
     from tailtamer.model.io import init_model, save_model
     from tailtamer.model.tokenizer import char_tokenizer, load_tokenizer
@@ -194,8 +201,12 @@ def cmd_init_model(args) -> None:
     cfg = preset_config(args.preset, tokenizer.vocab_size, architecture=arch,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = init_model(cfg, seed=args.seed)
-    save_model(model, args.out)
-    tokenizer.save(args.out)
+
+    def write(tmp: Path) -> None:
+        save_model(model, tmp)
+        tokenizer.save(tmp)
+
+    write_dir(Path(args.out), write)  # an interrupt leaves no half-written model to trip on
     print(f"wrote a random {args.preset} {arch} ({cfg.num_parameters() / 1e6:.2f}M parameters) to {args.out}")
 
 

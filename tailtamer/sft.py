@@ -21,7 +21,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tailtamer.atomic import atomic_write_json, temp_dir
+from tailtamer.atomic import atomic_write_json, write_dir
 from tailtamer.config_fields import f
 from tailtamer.errors import ConfigError
 from tailtamer.model.config import preset_config
@@ -175,18 +174,11 @@ def ensure_base_model(cfg: SFTConfig = SFTConfig(), log: Callable[[str], None] =
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_dir(target)
+        if not os.access(target.parent, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
     except OSError as e:
         raise ConfigError(f"cannot write the base model into {target.parent} ({e.strerror or e}); set {CACHE_ENV} "
                           f"to a writable directory") from None
     log(f"training the base model into {target} (cached for later runs)")
-    try:
-        train_sft(cfg, tmp, log)
-        if target.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_dir(target, lambda tmp: train_sft(cfg, tmp, log), existing="keep")  # another process may finish first
     return target

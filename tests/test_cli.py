@@ -290,3 +290,22 @@ def test_bad_arguments_of_other_commands(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and message.format(tmp=tmp_path) in err, err
     assert (tmp_path / "file").read_text() == "precious" and (tmp_path / "full" / "config.json").read_text() == "{}"
+
+
+def test_an_interrupted_init_model_leaves_nothing_to_trip_on(tmp_path, monkeypatch):
+    """Interrupted between the weights and the tokenizer: no half-filled --out (nor a hidden
+    sibling) is left, so the same command then succeeds."""
+    from tailtamer.model.tokenizer import Tokenizer
+
+    def interrupted(self, out_dir):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "models" / "tiny"
+    argv = ["init-model", "--preset", "tiny", "--out", str(out)]
+    with monkeypatch.context() as m:
+        m.setattr(Tokenizer, "save", interrupted)
+        assert main(argv) == 130
+    assert [p.name for p in (tmp_path / "models").iterdir()] in ([], ["tiny"])  # no hidden sibling left
+    assert not (out.exists() and any(out.iterdir()))
+    assert main(argv) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}

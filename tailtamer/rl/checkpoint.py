@@ -8,14 +8,13 @@ the previous checkpoint valid and `latest` pointing at a complete one.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 
 import torch
 
-from tailtamer.atomic import atomic_write_json, atomic_write_text, temp_dir
+from tailtamer.atomic import atomic_write_json, atomic_write_text, write_dir
 from tailtamer.errors import CheckpointError
 from tailtamer.model.io import load_model, save_model
 from tailtamer.rl.run_dir import has_checkpoint, unstarted_run
@@ -27,22 +26,17 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     gathers it so); `extra(tmp_dir)` writes more parts (e.g. the drafter) into the checkpoint
     before it is renamed into place."""
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = temp_dir(final)
-    try:
+
+    def write(tmp: Path) -> None:
         save_model(model, tmp)
         tokenizer.save(tmp)
         torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         if extra is not None:
             extra(tmp)
         atomic_write_json(tmp / "state.json", {**state, "step": step})
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_dir(final, write, existing="replace")
     atomic_write_text(root / "latest", final.name + "\n")
     kept = {p.name: _eval_accuracy(p) for p in root.glob("step-*") if p.is_dir()}
     for name in checkpoints_to_delete(kept, keep, final.name):
