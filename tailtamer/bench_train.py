@@ -18,10 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from tailtamer.errors import TailtamerError
+from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.pace import ENV
 
 ARMS = {"sd": [], "off": ["spec.mode=off"]}
+# What `bench train` sets for each arm; an override of one would break the comparison.
+BENCH_FIELDS = ("run.steps", "run.name", "run.out_dir", "spec.mode")
 
 
 def run_paced(jobs: dict[str, list[str]], logs: dict[str, Path], timeout_s: float | None = None) -> None:
@@ -67,6 +69,11 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
     (step i off / step i SD, seconds apart)."""
     from tailtamer.config import load_train_config
     from tailtamer.rl.run_state import prepare
+
+    fixed = [item for item in overrides if item.split("=", 1)[0].strip() in BENCH_FIELDS]
+    if fixed:
+        raise ConfigError(f"--set {fixed[0]}: bench train sets {', '.join(BENCH_FIELDS)} itself (--steps, its own "
+                          f"run names and directory, SD on against off); --set changes the rest of the job")
 
     def args(name: str, r: int) -> list[str]:
         return [f"run.steps={steps}", f"run.name={name}-{r}", f"run.out_dir={out_dir}", "run.eval_every=0",
