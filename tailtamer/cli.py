@@ -17,6 +17,10 @@ from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.stopping import Interrupted
 from tailtamer.rollout.speculator import SpecConfig
 
+# Which benchmarks each `bench` flag is for
+BENCH_FLAGS = {"--model": ("decode", "sd", "rollout", "profile"), "--preset": ("decode",),
+               "--drafter": ("sd", "rollout", "profile"), "--steps": ("train", "profile"), "--new-tokens": ("decode",),
+               "--set": ("train",)}
 # `generate`'s flags for the SpecConfig fields they set
 SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy", "bs_threshold": "--bs-threshold",
               "tuner": "--tuner", "compile": "--compile"}
@@ -237,12 +241,17 @@ def cmd_bench(args) -> None:
 
     if args.preset and args.model:
         raise TailtamerError("give --model or --preset, not both")
+    if args.what == "train" and (args.model or args.preset):
+        raise TailtamerError("bench train runs the built-in default job; change it with --set key=value")
+    given = {"--model": args.model, "--preset": args.preset, "--drafter": args.drafter, "--steps": args.steps,
+             "--new-tokens": args.new_tokens, "--set": args.set or None}
+    for flag, value in given.items():  # a flag a benchmark would ignore is a mistake to say, not to skip
+        if value is not None and args.what not in BENCH_FLAGS[flag]:
+            raise TailtamerError(f"{flag} is for bench {', '.join(BENCH_FLAGS[flag])}, not bench {args.what}")
+    args.steps = 10 if args.steps is None else at_least_one(args.steps, "--steps")
+    args.new_tokens = 64 if args.new_tokens is None else at_least_one(args.new_tokens, "--new-tokens")
     at_least_one(args.repeats, "--repeats")
-    at_least_one(args.steps, "--steps")
-    at_least_one(args.new_tokens, "--new-tokens")
-    drafts = args.what in ("sd", "rollout", "profile")
-    if args.drafter and not drafts:
-        raise TailtamerError(f"--drafter is for bench sd, rollout and profile, not bench {args.what}")
+    drafts = args.what in BENCH_FLAGS["--drafter"]
     if drafts and args.model and not args.drafter:  # the built-in drafter is trained for the built-in model
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
                              f"model (tailtamer drafter train --model {args.model} --data ... --out DIR)")
@@ -256,14 +265,10 @@ def cmd_bench(args) -> None:
         report = bench_profile(args.model, rl_steps=0 if args.model else args.steps, repeats=args.repeats,
                                drafter_dir=args.drafter)
     elif args.what == "train":
-        if args.model or args.preset:
-            raise TailtamerError("bench train runs the built-in default job; change it with --set key=value")
         report = bench_train(args.steps, args.repeats, overrides=tuple(args.set))
     elif args.what == "rollout":
         report = bench_rollout(args.model, repeats=args.repeats, drafter_dir=args.drafter)
     elif args.what == "sd":
-        if args.preset:
-            raise TailtamerError("bench sd needs a trained model and drafter; --preset is for bench decode")
         report = bench_sd(args.model, repeats=args.repeats, drafter_dir=args.drafter)
     elif args.preset:
         report = bench_random_model(args.preset, args.repeats, args.new_tokens)
@@ -374,9 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafter", help="sd, rollout, profile: the EAGLE drafter of --model (needed with it)")
     b.add_argument("--preset", help="benchmark a random model of this preset size instead")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")
-    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--new-tokens", type=int, help="decode: tokens per sequence (default 64)")
     b.add_argument("--out", help="also write the report here")
-    b.add_argument("--steps", type=int, default=10, help="train, profile: RL steps per run (profile: >= 2)")
+    b.add_argument("--steps", type=int, help="train, profile: RL steps per run (default 10; profile: >= 2)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="train: a config override (repeatable)")
     b.set_defaults(func=cmd_bench)
     return p

@@ -206,6 +206,8 @@ def test_feature_budget_is_the_setting_capped_at_half_the_free_memory(target, mo
         assert said == ([] if cached else ["drafter training: the target's features take 40 KiB, over the 20 KiB "
                                            "budget (feature_cache_mb, at most half the free memory): the target "
                                            "runs at every step instead"]), free
+        computing = "drafter training: the target's hidden states of 8 sequences (160 tokens), once"
+        assert (computing in logs) == cached  # said before the silent minute it can take
 
 
 def _first_loss(target, seqs):

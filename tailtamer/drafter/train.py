@@ -193,6 +193,9 @@ def _train(target, sequences, cfg, drafter, rng, log):
     t0, history = time.perf_counter(), []
     device = target.device
     budget = feature_budget(cfg.feature_cache_mb, available_memory(device.type, lambda: device_memory(device)))
+    if feature_bytes(target, sequences) <= budget:  # a minute or more on a CPU, before the first step
+        log(f"drafter training: the target's hidden states of {len(sequences)} sequences "
+            f"({sum(map(len, sequences)):,} tokens), once")
     features = target_features(target, sequences, budget)
     if features is None and cfg.feature_cache_mb:  # 0: the user turned the cache off
         log(f"drafter training: the target's features take {size(feature_bytes(target, sequences))}, over the "
