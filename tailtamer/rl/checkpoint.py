@@ -81,6 +81,11 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return path
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint (`latest_checkpoint`'s, named step-NNNNNN) was written after."""
+    return int(path.name.removeprefix("step-"))
+
+
 def load_checkpoint(path: Path, optimizer_factory, dtype="float32", device="cpu", load_optimizer_state=None):
     """(model, optimizer, scheduler, state) from a checkpoint directory, the model on `device`;
     `load_optimizer_state(optimizer, state_dict)` restores the optimizer (default: its own

@@ -103,8 +103,8 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     tokenizer = load_tokenizer(model_dir)
     model_cfg = load_config(model_dir)
     check_tokenizer_fits(tokenizer, model_cfg, model_dir)
-    train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, model_cfg.max_position_embeddings), log)
     context = model_cfg.max_position_embeddings
+    train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, context), log)
     longest = max(len(r["prompt_ids"]) for r in train_rows + eval_rows)
     if longest + cfg.rollout.max_new_tokens > context:
         log(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}, but the model's context is {context} tokens and "

@@ -39,7 +39,7 @@ from tailtamer.pace import ENV as PACE_ENV, Pace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
 from tailtamer.rl.batching import Samples, minibatch_of, response_batch, update_plan
-from tailtamer.rl.checkpoint import latest_checkpoint, save_checkpoint
+from tailtamer.rl.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
 from tailtamer.rl.rewards import merge_failures
 from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_resume, resume_changes
 from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, setup, training_prompts
@@ -396,7 +396,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
 
 def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> dict | None:
     if resume is not None:  # before anything is loaded or written: a resume must have steps to go
-        done = int(latest_checkpoint(resume).name.removeprefix("step-"))
+        done = checkpoint_step(latest_checkpoint(resume))
         if done >= cfg.run.steps:
             raise ConfigError(f"--resume {resume}: the run is at step {done} and run.steps is {cfg.run.steps}, so "
                               f"there is nothing to train; give run.steps={done + 1} or more to go on")
