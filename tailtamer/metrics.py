@@ -99,22 +99,39 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    """Offline by default (no account needed); `WANDB_MODE=online` syncs as usual."""
+    """Offline by default (no account needed); `WANDB_MODE=online` syncs as usual.
+
+    The W&B run's id is kept in `wandb-id` in the run directory, so a resumed run (online)
+    continues the same W&B run, as verl and TRL resume theirs; the steps it takes again after
+    its checkpoint were logged already and are not sent twice (W&B drops a step below its
+    last with a warning). W&B cannot resume an offline run: offline, each resume is a new
+    offline run with the same id."""
 
     def __init__(self, run_dir: Path, cfg_dict: dict, first_step: int):
         import os
+        import uuid
 
         import wandb
 
+        id_file = run_dir / "wandb-id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id + "\n")
+        mode = os.environ.get("WANDB_MODE", "offline")
+        resume = {} if mode in ("offline", "dryrun", "disabled") else {"resume": "allow"}
         self.run = wandb.init(project="tailtamer", name=run_dir.name, dir=str(run_dir), config=cfg_dict,
-                              mode=os.environ.get("WANDB_MODE", "offline"))
+                              mode=mode, id=run_id, **resume)
+        # the next step W&B accepts: after the last it holds when this resumed it
+        self.next_step = int(getattr(self.run, "step", 0) or 0) if getattr(self.run, "resumed", False) else 0
 
     def log(self, row: dict) -> None:
-        self.run.log(_scalars(row), step=row["step"])
+        if row["step"] >= self.next_step:
+            self.run.log(_scalars(row), step=row["step"])
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         import wandb
 
+        if step < self.next_step:
+            return
         columns = ["prompt", "response", "reward", "length"]
         self.run.log({"rollout/samples": wandb.Table(columns=columns, data=[[x[c] for c in columns] for x in samples])},
                      step=step)

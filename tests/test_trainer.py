@@ -242,8 +242,15 @@ def test_tensorboard_and_wandb_receive_every_step(toy, tmp_path, monkeypatch):
     logged, started = [], {}
     fake = types.ModuleType("wandb")
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-    fake.init = lambda **kw: started.update(kw) or types.SimpleNamespace(
-        log=lambda row, step: logged.append((step, row)), finish=lambda: started.update(finished=True))
+
+    def init(**kw):  # a W&B service that resumes a run it knows, at the step after its last
+        resumed = kw.get("resume") == "allow" and kw["id"] == started.get("id")
+        started.update(kw)
+        return types.SimpleNamespace(log=lambda row, step: logged.append((step, row)), resumed=resumed,
+                                     step=max(s for s, _ in logged) + 1 if resumed else 0,
+                                     finish=lambda: started.update(finished=True))
+
+    fake.init = init
     fake.Table = lambda columns, data: {"columns": columns, "data": data}
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -268,10 +275,15 @@ def test_tensorboard_and_wandb_receive_every_step(toy, tmp_path, monkeypatch):
     # killed after step 3 with its checkpoint of step 2: the resume logs step 3 again, once
     shutil.rmtree(run / "checkpoints" / "step-000003")
     (run / "checkpoints" / "latest").write_text("step-000002\n")
+    first_id, before = started["id"], len(logged)
+    monkeypatch.setenv("WANDB_MODE", "online")  # W&B resumes only online runs
     train(load_train_config(run / "config.yaml", ["run.steps=4"]), resume=run, log=lambda _: None, console=lambda _: None)
     scalars = EventAccumulator(str(run / "tensorboard")).Reload().Scalars("reward/reward_mean")
     assert [e.step for e in scalars] == [1, 2, 3, 4]
     assert [e.value for e in scalars] == pytest.approx([r["reward_mean"] for r in _rows(run)])
+    # the same W&B run goes on; step 3, which it holds, is not sent again
+    assert started["id"] == first_id and started["resume"] == "allow" and started["mode"] == "online"
+    assert sorted({step for step, _ in logged[before:]}) == [4]
 
 
 def test_samples_log_shows_what_the_model_wrote(toy, tmp_path):
