@@ -93,6 +93,18 @@ def test_a_reward_that_prints_does_not_break_scoring(user_file, capfd):
     assert "a reward that prints" in capfd.readouterr().err
 
 
+def test_what_a_reward_prints_goes_to_its_output_file(user_file, tmp_path, capfd):
+    """Appended, across the restart after a reward killed its process."""
+    output = tmp_path / "reward.log"
+    output.write_text("an earlier run\n")
+    scorer = RewardScorer((f"{user_file}:chatty", f"{user_file}:sometimes"), timeout_s=0.5, output=output)
+    got = scorer.score_batch([("x", "x"), ("die", "x"), ("y", "y")])
+    scorer.close()
+    assert got == [(2.0, True), (1.0, False), (2.0, True)]
+    assert output.read_text() == "an earlier run\n" + "a reward that prints\n" * 3
+    assert "a reward that prints" not in capfd.readouterr().err
+
+
 @pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="math-verify not installed")
 def test_the_math_reward_works_inside_the_scorer():
     """math-verify times itself out with signal.alarm, which only works in a main thread: run

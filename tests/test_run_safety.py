@@ -49,6 +49,8 @@ def test_a_run_killed_before_its_first_step_gives_its_name_back(toy, tmp_path):
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(to_dict(load_train_config(None, toy + ["run.name=cut"]))))
     (run / "metrics.jsonl").write_text("")
+    (run / "reward.log").write_text("what the reward printed\n")
+    (run / "wandb-id").write_text("1a2b3c4d\n")
     with pytest.raises(CheckpointError, match=r"no checkpoint to resume from .*stopped in its first step: start it "
                                               r"anew with `tailtamer train .*runs/cut/config.yaml`"):
         _train(toy, "run.steps=1", resume=run)

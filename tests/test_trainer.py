@@ -286,6 +286,19 @@ def test_tensorboard_and_wandb_receive_every_step(toy, tmp_path, monkeypatch):
     assert sorted({step for step, _ in logged[before:]}) == [4]
 
 
+def test_what_the_reward_prints_goes_to_the_run_directory(toy, tmp_path, capfd):
+    reward = tmp_path / "loud_reward.py"
+    reward.write_text("def loud(response, answer):\n    print('scored', repr(response))\n    return 0.0\n")
+    lines = []
+    train(load_train_config(None, toy + [f"rl.reward={reward}:loud", "run.steps=1", "run.name=loud"]),
+          log=lines.append, console=lines.append)
+    run = tmp_path / "runs" / "loud"
+    printed = (run / "reward.log").read_text().splitlines()
+    assert len(printed) == 32 and all(line.startswith("scored '") for line in printed)  # 4 prompts x 8
+    assert any(line.endswith(f"loud prints goes to {run / 'reward.log'}") for line in lines)
+    assert "scored" not in capfd.readouterr().err
+
+
 def test_samples_log_shows_what_the_model_wrote(toy, tmp_path):
     import importlib.util
 

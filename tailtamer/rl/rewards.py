@@ -237,11 +237,13 @@ class RewardScorer:
     call. A call that times out or kills the child is charged to its own sample and function;
     the child is restarted and the remaining calls go on. `reward` is a spec (`auto`,
     `builtin`, `math`, `module:function`, `file.py:function`), a picklable function, or a
-    sequence of them, summed with `weights` (default: 1 each)."""
+    sequence of them, summed with `weights` (default: 1 each). What the functions print goes
+    to the file `output` (appended) when given, else to stderr."""
 
     reward: str | Callable | tuple
     timeout_s: float = 5.0
     weights: tuple[float, ...] = ()
+    output: Path | None = None
     failures: dict = field(default_factory=dict)  # kind -> {"count": n, "first": message}
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _conn: Connection | None = field(default=None, repr=False)
@@ -259,9 +261,15 @@ class RewardScorer:
     def _start(self) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tailtamer.rl.reward_worker", str(to_child_r), str(from_child_w), str(os.getpid())],
-            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
+        output = open(self.output, "ab") if self.output is not None else None
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tailtamer.rl.reward_worker", str(to_child_r), str(from_child_w),
+                 str(os.getpid())],
+                pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+        finally:
+            if output is not None:
+                output.close()
         os.close(to_child_r)
         os.close(from_child_w)
         self._conn = _Duplex(from_child_r, to_child_w)

@@ -31,7 +31,8 @@ class RunDirBusy(ConfigError):
 
 # What a run writes before its first step ends: a directory of only these, its config naming
 # it and no step's metrics in it, is a run killed in its first step (SIGTERM or SIGKILL).
-STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "wandb"}
+STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", "reward.log", "tensorboard", "wandb",
+                 "wandb-id"}
 
 
 class RunDirLock:
