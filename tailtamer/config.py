@@ -186,6 +186,11 @@ class RLConfig:
     def __post_init__(self):
         if isinstance(self.reward, str):  # RLConfig(reward="math") in code, as the loader reads rl.reward=math
             object.__setattr__(self, "reward", (self.reward,))
+        if self.kl_estimator in ("k1", "kl"):
+            raise ConfigError(f"rl.kl_estimator {self.kl_estimator!r}: log π − log π_ref as a loss has a gradient of 0 "
+                              f"in expectation (the tokens are drawn from π), so it would not hold the policy to the "
+                              f"reference; choose k2 (the gradient of KL(π‖π_ref)) or k3 (of KL(π_ref‖π), verl's "
+                              f"low_var_kl)")
         for name, registry in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES), ("loss_agg", AGGREGATIONS),
                                ("kl_estimator", KL_ESTIMATORS), ("lr_schedule", LR_SCHEDULES)):
             if getattr(self, name) not in registry:

@@ -26,9 +26,13 @@ def test_dr_grpo_and_rloo_advantages():
 
 
 def test_equal_rewards_give_zero_advantage_and_are_filtered():
-    same = torch.tensor([[1.0, 1.0, 1.0]])
+    # float32 means of 0.1 or 5.3 are a rounding off them; the std of that would blow it up
+    same = torch.cat([torch.full((1, 8), v) for v in (1.0, 0.1, 0.7, 5.3, 10.1)])
+    assert (same - same.mean(-1, keepdim=True)).abs().max() > 0  # the rounding the advantages must not keep
     for name in ADVANTAGES:
         assert torch.all(ADVANTAGES[name](same) == 0), name
+        mixed = ADVANTAGES[name](torch.tensor([[0.1, 0.1, 0.2, 0.1]]))
+        assert mixed[0, 2] > 0 and torch.all(mixed[0, [0, 1, 3]] < 0), name
     assert informative_groups(torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])).tolist() == [False, True, False]
 
 
@@ -82,15 +86,39 @@ def test_aggregation_over_shards_equals_the_whole_batch(name):
 def test_kl_estimators():
     logp = torch.log(torch.tensor([0.5, 0.2]))
     ref = torch.log(torch.tensor([0.25, 0.2]))
-    assert KL_ESTIMATORS["k1"](logp, ref).tolist() == pytest.approx([math.log(2), 0.0])
+    assert KL_ESTIMATORS["k2"](logp, ref).tolist() == pytest.approx([0.5 * math.log(2) ** 2, 0.0])
     # k3 with log-ratio d = log(0.25/0.5) = −ln 2: e^d − d − 1 = 0.5 + ln 2 − 1
     assert KL_ESTIMATORS["k3"](logp, ref).tolist() == pytest.approx([0.5 + math.log(2) - 1, 0.0])
-    assert KL_ESTIMATORS["low_var_kl"] is KL_ESTIMATORS["k3"]
+    assert KL_ESTIMATORS["low_var_kl"] is KL_ESTIMATORS["k3"] and KL_ESTIMATORS["mse"] is KL_ESTIMATORS["k2"]
     # k3 is an unbiased estimate of KL(π || π_ref) when tokens are drawn from π.
     p = torch.tensor([0.7, 0.2, 0.1])
     q = torch.tensor([0.3, 0.3, 0.4])
     exact = (p * (p / q).log()).sum()
     assert (p * KL_ESTIMATORS["k3"](p.log(), q.log())).sum().item() == pytest.approx(exact.item(), rel=1e-5)
+
+
+def test_kl_estimators_pull_toward_the_reference_in_expectation():
+    """As a loss over tokens drawn from π (their probabilities fixed, only log π differentiated),
+    k2's expected gradient is ∇KL(π‖π_ref) and k3's ∇KL(π_ref‖π); k1's would be 0. Exact
+    expectations over a 6-token vocabulary, float64."""
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6, generator=gen, dtype=torch.float64), -1)
+
+    def expected_grad(estimator):
+        logp = torch.log_softmax(theta, -1)
+        loss = (logp.exp().detach() * estimator(logp, ref)).sum()  # E_{y~π}[k(y)], π's weights not differentiated
+        return torch.autograd.grad(loss, theta)[0]
+
+    def grad_of(kl):
+        return torch.autograd.grad(kl(torch.log_softmax(theta, -1)), theta)[0]
+
+    forward = grad_of(lambda logp: (logp.exp() * (logp - ref)).sum())  # KL(π‖π_ref)
+    reverse = grad_of(lambda logp: (ref.exp() * (ref - logp)).sum())  # KL(π_ref‖π)
+    assert torch.allclose(expected_grad(KL_ESTIMATORS["k2"]), forward)
+    assert torch.allclose(expected_grad(KL_ESTIMATORS["k3"]), reverse)
+    assert torch.allclose(expected_grad(lambda logp, r: logp - r), torch.zeros(6, dtype=torch.float64))
+    assert forward.abs().max() > 0.05 and reverse.abs().max() > 0.05
 
 
 def test_token_log_probs_and_entropy():

@@ -52,8 +52,10 @@ def test_entropy_bonus_alone_raises_entropy(no_signal):
 
 
 def test_dynamic_sampling_skips_groups_whose_rewards_agree(no_signal, toy):
-    rows = _run(no_signal + ["rl.dynamic_sampling=true", "run.steps=2"], "dyn")
+    rows = _run(no_signal + ["rl.dynamic_sampling=true", "run.steps=2", "rl.warmup=3", "rl.lr=0.3"], "dyn")
     assert all(r["kept_groups_frac"] == 0 and r["loss"] is None for r in rows)  # nothing to learn from
+    # the schedule moves on all the same: it was sized in optimizer steps, taken or not
+    assert [r["lr"] for r in rows] == pytest.approx([0.3 * 2 / 3, 0.3])
     rows = _run(no_signal + ["run.steps=1"], "nodyn")
     assert rows[0]["kept_groups_frac"] == 1 and rows[0]["loss"] == 0  # kept, with zero advantages
     assert rows[0]["zero_adv_frac"] == 1

@@ -14,16 +14,25 @@ import torch
 # --- advantages: one scalar per sample, broadcast over its tokens -------------------------------
 
 
+def agreeing(rewards: torch.Tensor) -> torch.Tensor:
+    """(G, 1) True where a group's rewards are all equal. Its advantages are exactly 0: the
+    float32 mean of equal rewards that are not binary fractions (0.1, 0.7) is one rounding off
+    them, and a std of the same size would turn that into a sizeable advantage shared by the
+    whole group."""
+    return (rewards.amax(-1, keepdim=True) == rewards.amin(-1, keepdim=True))
+
+
 def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i − mean_g) / (std_g + ε), std unbiased over the group (Shao et al. 2024, DeepSeekMath §4.1)."""
     mean = rewards.mean(-1, keepdim=True)
     std = rewards.std(-1, keepdim=True) if rewards.shape[-1] > 1 else torch.zeros_like(mean)
-    return (rewards - mean) / (std + eps)
+    return ((rewards - mean) / (std + eps)).masked_fill(agreeing(rewards), 0.0)
 
 
 def dr_grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """A_i = r_i − mean_g: no std normalisation, which biases toward easy/hard groups (Liu et al. 2025, Dr. GRPO)."""
-    return rewards - rewards.mean(-1, keepdim=True)
+    """A_i = r_i − mean_g: no std normalisation, whose division by a group's std weighs
+    groups of nearly equal rewards (too easy or too hard) more (Liu et al. 2025, Dr. GRPO)."""
+    return (rewards - rewards.mean(-1, keepdim=True)).masked_fill(agreeing(rewards), 0.0)
 
 
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -31,7 +40,7 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     n = rewards.shape[-1]
     if n < 2:
         return torch.zeros_like(rewards)
-    return (rewards - rewards.mean(-1, keepdim=True)) * n / (n - 1)
+    return ((rewards - rewards.mean(-1, keepdim=True)) * n / (n - 1)).masked_fill(agreeing(rewards), 0.0)
 
 
 ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -127,19 +136,28 @@ AGGREGATIONS: dict[str, Callable] = {
 # --- KL penalty against a reference policy ------------------------------------------------------
 
 
-def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k1 = log π − log π_ref: unbiased, high variance (Schulman 2020, "Approximating KL")."""
-    return logp - ref_logp
+# As a loss term over tokens drawn from π, what matters is an estimator's expected gradient
+# (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL", arXiv
+# 2506.09477): k1 = log π − log π_ref has E_π[∇k1] = E_π[∇log π] = 0, so it does not regularise
+# at all and is refused at start-up (config.py); k2 and k3 below do.
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = ½ (log π − log π_ref)² (Schulman 2020, "Approximating KL"; verl's mse). Its
+    expected gradient is that of KL(π ‖ π_ref): E_π[(log π − log π_ref) ∇log π] = ∇ KL(π ‖ π_ref)."""
+    return 0.5 * (logp - ref_logp) ** 2
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 10.0) -> torch.Tensor:
-    """k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 ≥ 0: unbiased, low variance
-    (verl's low_var_kl; the log-ratio is clamped to ±clamp for stability)."""
+    """k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 ≥ 0 (Schulman 2020; verl's
+    low_var_kl): an unbiased, low-variance estimate of KL(π ‖ π_ref), whose expected gradient
+    is that of the reverse KL(π_ref ‖ π): E_π[∇k3] = −Σ π_ref ∇log π. The log-ratio is clamped
+    to ±clamp and the value to at most clamp, as in verl, against overflow."""
     d = (ref_logp - logp).clamp(-clamp, clamp)
     return (torch.exp(d) - d - 1).clamp(-clamp, clamp)
 
 
-KL_ESTIMATORS: dict[str, Callable] = {"k1": kl_k1, "k3": kl_k3, "low_var_kl": kl_k3}
+KL_ESTIMATORS: dict[str, Callable] = {"k2": kl_k2, "mse": kl_k2, "k3": kl_k3, "low_var_kl": kl_k3}
 
 # --- token statistics -----------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -265,11 +266,15 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
             for _ in range(extra):  # sharded: match the other workers' forward+backward collectives
                 (policy(torch.zeros(1, 2, dtype=torch.long, device=dev))[0].sum() * 0).backward()
             totals = s.sharding.reduce(params_list, totals)  # every worker now holds the same sums
-            if totals[4] == 0:
-                continue  # no token of this minibatch counts on any worker
-            if not torch.isfinite(totals[0]):
-                s.bad_steps += 1
-                continue  # skip the update, keep the weights
+            if totals[4] == 0 or not torch.isfinite(totals[0]):
+                # No token of this minibatch counts on any worker, or its loss is not finite: no
+                # update, the weights kept. The schedule counts the optimizer steps planned
+                # (optim.py), so it moves on as if the step had been taken.
+                s.bad_steps += bool(totals[4])
+                with warnings.catch_warnings():  # torch warns of a scheduler step before any optimizer step
+                    warnings.simplefilter("ignore", UserWarning)
+                    s.scheduler.step()
+                continue
             if not len(minibatch) and not extra:  # nothing computed here: a zero gradient still moves AdamW
                 for p in params_list:
                     if p.grad is None:
