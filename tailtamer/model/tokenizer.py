@@ -13,7 +13,7 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from tailtamer.atomic import atomic_write, atomic_write_json
 from tailtamer.errors import CheckpointError, DataError
@@ -174,16 +174,29 @@ def _checked_config(config, path: Path) -> dict:
     return {**config, "chat_template": template} if "chat_template" in config else config
 
 
+def byte_level_symbol(char: str) -> str:
+    """The symbol byte-level BPE (GPT-2's, Qwen's) writes an ASCII character as: printable
+    ones stand for themselves, the others (space, newline) for chr(256 + n), n counting the
+    non-printable bytes below them (so ' ' is 'Ġ' and '\\n' is 'Ċ')."""
+    byte = ord(char)
+    if 33 <= byte <= 126:
+        return char
+    return chr(256 + sum(1 for b in range(byte) if not 33 <= b <= 126))
+
+
 def char_tokenizer() -> Tokenizer:
     """One token per printable ASCII character plus newline, and five special tokens.
 
-    A BPE model with no merges splits text into single characters; `Fuse` joins them back
-    without spaces, so decode(encode(s)) == s for every string over the alphabet.
+    Written as a byte-level BPE with no merges (the vocabulary in byte-level symbols), so text
+    splits into single characters here and in transformers alike: transformers ≥ 5 rebuilds
+    the tokenizer of any Qwen2 directory as its own byte-level `Qwen2Tokenizer` from the
+    vocabulary, and a plain character vocabulary lost its spaces and newlines there.
     """
-    vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS + CHAR_ALPHABET)}
+    vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS + tuple(byte_level_symbol(c) for c in CHAR_ALPHABET))}
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAR_SPECIALS])
-    backend.decoder = decoders.Fuse()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
     config = {"eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>", "bos_token": None,
               "model_max_length": 1024, "chat_template": CHATML_TEMPLATE}
     return Tokenizer(backend, config)
