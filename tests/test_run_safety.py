@@ -137,7 +137,7 @@ def test_a_locked_run_directory_is_refused(toy, tmp_path):
     assert len(_rows(run)) == 3
 
 
-def test_resume_records_changed_settings_and_refuses_fixed_ones(toy, tmp_path, model_dir):
+def test_resume_records_changed_settings_and_refuses_fixed_ones(toy, tmp_path, model_dir, monkeypatch):
     _train(toy, "run.steps=2", "run.name=r", "run.save_every=2")
     run = tmp_path / "runs" / "r"
     lines = []
@@ -154,6 +154,13 @@ def test_resume_records_changed_settings_and_refuses_fixed_ones(toy, tmp_path, m
         with pytest.raises(ConfigError, match=rf"the run is at step 3 and run.steps is {steps}, so there is nothing "
                                               r"to train; give run.steps=4 or more"):
             _train(toy, f"run.steps={steps}", resume=run)
+    # with several workers, the launcher says so before it spawns any (a worker's refusal came
+    # with the other workers' connection errors)
+    from tailtamer.rl import trainer
+
+    monkeypatch.setattr(trainer, "spawn", lambda *args: pytest.fail("workers spawned"))
+    with pytest.raises(ConfigError, match=r"the run is at step 3 and run.steps is 3, so there is nothing to train"):
+        trainer.launch(load_train_config(run / "config.yaml", ["run.workers=2"]), resume=run)
     assert {p: p.read_bytes() for p in run.iterdir() if p.is_file()} == files
 
 

@@ -399,12 +399,17 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
             lock.release(remove_if_unused=True)
 
 
-def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> dict | None:
-    if resume is not None:  # before anything is loaded or written: a resume must have steps to go
+def _check_steps_left(cfg: TrainConfig, resume: Path | None) -> None:
+    """Before anything is loaded, written or spawned: a resume must have steps to go."""
+    if resume is not None:
         done = checkpoint_step(latest_checkpoint(resume))
         if done >= cfg.run.steps:
             raise ConfigError(f"--resume {resume}: the run is at step {done} and run.steps is {cfg.run.steps}, so "
                               f"there is nothing to train; give run.steps={done + 1} or more to go on")
+
+
+def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> dict | None:
+    _check_steps_left(cfg, resume)
     changes = resume_changes(resume, to_dict(cfg)) if resume is not None and w.is_main else {}
     s = setup(cfg, resume, log, w)
     if w.is_main:
@@ -537,6 +542,7 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
     # the cores, and a first run's base-model SFT and drafter warm-up would take ~1.6x as long.
     cfg, lock = claim_run_dir(cfg, resume)
     try:
+        _check_steps_left(cfg, resume)
         cfg = prepare(cfg)
         if cfg.run.workers == 0:  # automatic: no more workers than a step has prompts to shard
             prompts = training_prompts(cfg)
