@@ -26,12 +26,18 @@ SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy"
               "tuner": "--tuner", "compile": "--compile"}
 
 
+# Directories the output checks created, removed again (if still empty) when the command
+# fails: a mistyped option must not leave an empty --out behind.
+_CREATED: list[Path] = []
+
+
 def _writable_dir(directory: Path, flag: str, path: str) -> None:
     """Create `directory` if needed and prove a file can be written there (as root, mode bits
     say nothing, so try it)."""
     if any(parent.is_file() for parent in [directory, *directory.parents]):
         raise TailtamerError(f"{flag} {path}: a parent of it is a file")
     try:
+        _CREATED.extend(reversed([d for d in [directory, *directory.parents] if not d.exists()]))
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
             pass
@@ -387,10 +393,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(args) -> None:
+    _CREATED.clear()
+    try:
+        args.func(args)
+    except BaseException:
+        for directory in reversed(_CREATED):  # deepest first; one with files in it stays
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        _run(args)
     except Interrupted as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every worker stops alike: one says so
             print(f"stopped: {e}", file=sys.stderr)

@@ -310,7 +310,16 @@ def test_an_interrupted_init_model_leaves_nothing_to_trip_on(tmp_path, monkeypat
     with monkeypatch.context() as m:
         m.setattr(Tokenizer, "save", interrupted)
         assert main(argv) == 130
-    assert [p.name for p in (tmp_path / "models").iterdir()] in ([], ["tiny"])  # no hidden sibling left
-    assert not (out.exists() and any(out.iterdir()))
+    assert not (tmp_path / "models").exists()  # no hidden sibling, no empty --out or parent left
     assert main(argv) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_a_failed_command_leaves_no_empty_directories_it_created(tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    for out in (tmp_path / "new" / "deep" / "model", tmp_path / "mine" / "model"):
+        assert main(["init-model", "--preset", "huge", "--out", str(out)]) == 2
+    assert "unknown model preset 'huge'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
