@@ -355,7 +355,9 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
+            section = str(path).split(".")[0]
+            hint = f" (an override is KEY=VALUE: {path}=...)" if section in {x.name for x in fields(TrainConfig)} else ""
+            raise ConfigError(f"{path}: config file not found{hint}")
         try:
             data = parse_yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:

@@ -55,6 +55,8 @@ def test_yaml_1_2_scalars():
     (["spot.lr=0"], "spot.lr must be > 0"),
     (["spec.strategy=4_2"], "spec.strategy"),
     (["spec.acceptance=typical"], "refused"),
+    (["spec.mode=on", "spec.epsilon=2"], "spec.epsilon must be in [0, 1], got 2"),  # checked where unused too
+    (["spec.mode=off", "spec.strategies=[4_2_8, 9]"], "spec.strategies"),
     (["rl.lr"], "not KEY=VALUE"),
     (["rl.reward=[math, builtin]", "rl.reward_weights=[1]"], "rl.reward_weights: 1 weights for 2 reward functions"),
     (["rl.reward=[]"], "rl.reward: give at least one reward function"),
@@ -67,8 +69,10 @@ def test_bad_configs_name_the_field(overrides, message):
 
 
 def test_bad_files(tmp_path):
-    with pytest.raises(ConfigError, match="config file not found"):
+    with pytest.raises(ConfigError, match="config file not found$"):
         load_train_config(tmp_path / "none.yaml")
+    with pytest.raises(ConfigError, match=r"run.steps: config file not found \(an override is KEY=VALUE: run.steps=...\)"):
+        load_train_config("run.steps")  # `tailtamer train run.steps`: a mistyped override, taken for a file
     bad = tmp_path / "bad.yaml"
     bad.write_text("rl: [1, 2\n")
     with pytest.raises(ConfigError, match="bad.yaml: malformed YAML"):

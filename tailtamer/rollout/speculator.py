@@ -25,7 +25,8 @@ DEFAULT_BUCKET_THRESHOLDS = (1, 3, 65)
 class SpecConfig:
     mode: str = f("off", "off, on (SD at every step, fixed strategy) or adaptive (SD in the long tail, tuned)")
     strategy: str = f("4_2_8", "DEPTH_TOPK_VERIFY draft tree for mode=on and tuner=fixed")
-    drafter: str | None = f(None, "an EAGLE drafter directory, or ngram (model-free)")
+    drafter: str | None = f(None, "an EAGLE drafter directory, or ngram (model-free); in train, builtin (the "
+                                  "built-in base model's warm-up drafter)")
     acceptance: str = f("exact", "the acceptance rule; only the exact (lossless) one exists")
     bs_threshold: int = f(64, "adaptive: speculate once at most this many requests run (0 = never: the "
                               "drafter is attached and trained, for measuring what it costs)")
@@ -57,12 +58,14 @@ class SpecConfig:
         at_least(self, "spec", 0, "bs_threshold")
         if self.compile and self.drafter == "ngram":
             raise ConfigError("spec.compile compiles an EAGLE drafter's draft chains; the ngram drafter has none")
-        if self.mode == "adaptive" and self.tuner == "beg":
-            self.make_tuner()  # validates strategies against bucket thresholds
+        self._bandit()  # its settings are checked in every mode: a wrong one is a mistake even where unused
 
     def make_tuner(self):
         if self.mode == "on" or self.tuner == "fixed":
             return FixedTuner(Strategy.parse(self.strategy))
+        return self._bandit()
+
+    def _bandit(self):
         try:
             arms = [Strategy.parse(s) for s in self.strategies]
         except ConfigError as e:
