@@ -4,15 +4,18 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-# The CPU build of PyTorch; the package itself only asks for torch>=2.5, so GPU users keep theirs.
+# PyTorch as the package index has it (PyPI's Linux wheel is the CUDA build; for the smaller
+# CPU build: make TORCH_INDEX=https://download.pytorch.org/whl/cpu). The package itself only
+# asks for torch>=2.5, so GPU users keep theirs.
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: demo test test-fast bench venv clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_PIN)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 

@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_task)
 
     d = sub.add_parser("demo", help="one long-tail rollout of the built-in base model (the RL job is `tailtamer train`)")
-    d.add_argument("--out", default="runs/demo", help="directory for its report and pictures (default runs/demo)")
+    d.add_argument("--out", default="runs/demo", help="directory for its completions.jsonl, report.json and timeline.json (default runs/demo)")
     d.add_argument("--prompts", type=int, default=64, help="how many built-in task prompts (a count, not a file)")
     d.add_argument("--n", type=int, default=8, help="samples per prompt")
     d.add_argument("--seed", type=seed, default=0, help="which prompts, and the sampling streams")

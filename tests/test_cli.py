@@ -50,7 +50,7 @@ def test_generate_is_reproducible_and_greedy_is_deterministic(model_dir, tmp_pat
     ("", "no rows (the file is empty)"),
     ('{"prompt": "a"}\n{"prompt": \n', "p.jsonl:2: not valid JSON"),
     ('{"prompt": "a"}\n[1, 2]\n', "p.jsonl:2: expected a JSON object"),
-    ('{"text": "a"}\n', "p.jsonl:1: row has neither 'prompt' nor 'messages'"),
+    ('{"text": "a"}\n', "p.jsonl:1: row has neither 'prompt' nor 'messages' (nor a GSM8K 'question')\n"),
     ('{"prompt": 3}\n', "p.jsonl:1: field 'prompt' must be a string"),
     ('{"prompt": ""}\n', "p.jsonl:1: field 'prompt' is empty"),
     ('{"messages": [{"role": "user"}]}\n', "p.jsonl:1: message 0 needs string fields"),

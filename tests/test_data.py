@@ -61,7 +61,7 @@ def test_long_prompts_are_skipped_and_counted_not_truncated(tmp_path):
     ([], "d.jsonl: no rows (the file is empty)"),
     (['{"prompt": "a", "answer": "1"}', "{oops"], "d.jsonl:2: not valid JSON"),
     (['["a", "1"]'], "d.jsonl:1: expected a JSON object, got list"),
-    (['{"prompt": "a", "answer": "1"}', '{"answer": "1"}'], "d.jsonl:2: row has neither 'prompt' nor 'messages'"),
+    (['{"prompt": "a", "answer": "1"}', '{"answer": "1"}'], "d.jsonl:2: row has neither 'prompt' nor 'messages' (nor a GSM8K 'question'); data.prompt_key names another column"),
     (['{"prompt": "a"}'], "d.jsonl:1: row has no 'answer' (or 'reward_model.ground_truth')"),
     (['{"prompt": "a", "reward_model": {"style": "rule"}}'], "d.jsonl:1: row has no 'answer'"),
     (['{"prompt": "", "answer": "1"}'], "d.jsonl:1: field 'prompt' is empty"),
@@ -171,6 +171,12 @@ def test_a_file_without_eval_prompts_holds_some_out_and_says_so(model_dir, tmp_p
     assert any("holding out 4 of the 40 prompts" in line and "data.eval" in line for line in logs)
     s = setup(prepare(load_train_config(None, base + ["run.eval_every=0", "run.name=b"])), log=lambda _: None)
     assert len(s.train_rows) == 40 and not s.eval_rows  # no evaluation: every prompt trains
+    small = write_jsonl(tmp_path / "small.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(9)])
+    logs = []
+    s = setup(prepare(load_train_config(None, base + [f"data.train={small}", "run.eval_every=5", "run.name=c"])),
+              log=logs.append)
+    assert len(s.train_rows) == 9 and not s.eval_rows
+    assert any("has 9 prompts, too few to hold a tenth out: no held-out evaluation" in line for line in logs)
 
 
 def test_content_parts_read_from_parquet(tmp_path):

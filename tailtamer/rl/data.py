@@ -49,11 +49,12 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
-def prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str = "prompt") -> str:
+def prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str = "prompt", mappable: bool = False) -> str:
     """The text a row asks the model to continue: `prompt` as is, or `messages` through the
     tokenizer's chat template with the generation prompt appended. `name`: the column errors
-    name for `prompt` (data.prompt_key's, when it maps one)."""
-    text = _prompt_text(row, tokenizer, where, name)
+    name for `prompt` (data.prompt_key's, when it maps one); `mappable`: data.prompt_key can
+    name another column (training data), which an error then says."""
+    text = _prompt_text(row, tokenizer, where, name, mappable)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -61,7 +62,7 @@ def prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str = "prompt
     return text
 
 
-def _prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str) -> str:
+def _prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str, mappable: bool) -> str:
     if "prompt" not in row and "messages" not in row and isinstance(row.get("question"), str):
         return _nonempty(row["question"], where, "question")  # a raw GSM8K row
     if "prompt" in row:
@@ -73,8 +74,8 @@ def _prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str) -> str:
         return _nonempty(prompt, where, name)
     if "messages" in row:
         return _chat(row["messages"], tokenizer, where)
-    raise DataError(f"{where}: row has neither 'prompt' nor 'messages' (nor a GSM8K 'question'); "
-                    f"data.prompt_key names another column")
+    raise DataError(f"{where}: row has neither 'prompt' nor 'messages' (nor a GSM8K 'question')"
+                    + ("; data.prompt_key names another column" if mappable else ""))
 
 
 def _nonempty(text: str, where: str, field: str) -> str:
@@ -205,7 +206,7 @@ def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: in
     for row in read_rows(path):
         where = f"{path}:{row['_row']}"
         row = map_columns(row, prompt_key, answer_key, where)
-        ids = tokenizer.encode(prompt_text(row, tokenizer, where, prompt_key or "prompt"))
+        ids = tokenizer.encode(prompt_text(row, tokenizer, where, prompt_key or "prompt", mappable=True))
         answer = row_answer(row, where, answer_key or "answer")
         if len(ids) > max_prompt_tokens:
             skipped += 1
@@ -259,6 +260,9 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
             log(f"data.eval not given: holding out {len(evals)} of the {len(train) + len(evals)} prompts of "
                 f"{cfg.data.train} for evaluation (data.n_eval, at most a tenth; give data.eval=FILE, or "
                 f"run.eval_every=0 to train on all)")
+        elif cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
+            log(f"data.eval not given and {cfg.data.train} has {len(train)} prompts, too few to hold a tenth out: "
+                f"no held-out evaluation (give data.eval=FILE)")
     if cfg.data.eval is not None:
         evals, more = load_task_rows(cfg.data.eval, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         skipped += more
