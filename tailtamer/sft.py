@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tailtamer.atomic import atomic_write_json, write_dir
+from tailtamer.atomic import atomic_write, atomic_write_json, write_dir
 from tailtamer.config_fields import f
 from tailtamer.errors import ConfigError
 from tailtamer.model.config import preset_config
@@ -163,6 +163,19 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
     return info
 
 
+def _byte_level_tokenizer(model_dir: Path) -> None:
+    """A base model cached before 2026-12-05 holds the character tokenizer as a plain
+    vocabulary, which transformers ≥ 5 reads without spaces and newlines; it becomes today's
+    byte-level form, with the same ids (tests/test_tokenizer.py). A cache this process cannot
+    write keeps its file: tailtamer reads both."""
+    path = model_dir / "tokenizer.json"
+    try:
+        if json.loads(path.read_text(encoding="utf-8")).get("pre_tokenizer") is None:
+            atomic_write(path, lambda tmp: char_tokenizer().backend.save(tmp))
+    except (OSError, ValueError):
+        pass
+
+
 def ensure_base_model(cfg: SFTConfig = SFTConfig(), log: Callable[[str], None] = print) -> Path:
     """The cached base model for `cfg`, trained first if it is not there yet.
 
@@ -171,6 +184,7 @@ def ensure_base_model(cfg: SFTConfig = SFTConfig(), log: Callable[[str], None] =
     """
     target = cache_root() / f"base-{cfg.preset}-{cfg.key()}"
     if (target / "sft.json").is_file():
+        _byte_level_tokenizer(target)
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,21 @@ def test_base_model_is_cached_by_config(tmp_path, monkeypatch):
     other = ensure_base_model(SFTConfig(steps=2, batch_size=2, warmup=1, habit_steps=2, seed=1), log=logs.append)
     assert other != first
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])  # no temp dirs left
+    # a model cached before the tokenizer became byte-level gets it, with the same ids
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+    from transformers import AutoTokenizer
+
+    from tailtamer.model.tokenizer import CHAR_ALPHABET, CHAR_SPECIALS
+
+    old = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(CHAR_SPECIALS + CHAR_ALPHABET)}, merges=[],
+                                 unk_token="<unk>"))
+    old.decoder = decoders.Fuse()
+    old.save(str(first / "tokenizer.json"))
+    text = "12+3=15\nanswer: 15"
+    assert AutoTokenizer.from_pretrained(first).encode(text) != load_tokenizer(first).encode(text)
+    ensure_base_model(cfg, log=logs.append)
+    assert AutoTokenizer.from_pretrained(first).encode(text) == load_tokenizer(first).encode(text) == \
+        char_tokenizer().encode(text)
 
 
 @pytest.mark.parametrize("kwargs,field", [({"steps": 0}, "steps"), ({"batch_size": 0}, "batch_size"),
