@@ -186,13 +186,15 @@ class RLConfig:
     def __post_init__(self):
         if isinstance(self.reward, str):  # RLConfig(reward="math") in code, as the loader reads rl.reward=math
             object.__setattr__(self, "reward", (self.reward,))
-        if self.kl_estimator in ("k1", "kl"):
+        if self.kl_estimator in ("k1", "kl") and self.kl_coef > 0:
             raise ConfigError(f"rl.kl_estimator {self.kl_estimator!r}: log π − log π_ref as a loss has a gradient of 0 "
                               f"in expectation (the tokens are drawn from π), so it would not hold the policy to the "
                               f"reference; choose k2 (the gradient of KL(π‖π_ref)) or k3 (of KL(π_ref‖π), verl's "
                               f"low_var_kl)")
         for name, registry in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES), ("loss_agg", AGGREGATIONS),
                                ("kl_estimator", KL_ESTIMATORS), ("lr_schedule", LR_SCHEDULES)):
+            if name == "kl_estimator" and self.kl_coef == 0 and self.kl_estimator in ("k1", "kl"):
+                continue  # unused; an older run's config.yaml may name it
             if getattr(self, name) not in registry:
                 raise ConfigError(f"rl.{name} {getattr(self, name)!r} is unknown; choose one of {sorted(registry)}")
         if self.overlong not in ("none", "mask", "penalty"):
@@ -356,7 +358,8 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
         path = Path(path)
         if not path.is_file():
             section = str(path).split(".")[0]
-            hint = f" (an override is KEY=VALUE: {path}=...)" if section in {x.name for x in fields(TrainConfig)} else ""
+            key = section in {x.name for x in fields(TrainConfig)} and path.suffix not in (".yaml", ".yml", ".json")
+            hint = f" (an override is KEY=VALUE: {path}=...)" if key else ""
             raise ConfigError(f"{path}: config file not found{hint}")
         try:
             data = parse_yaml(path.read_text(encoding="utf-8")) or {}

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
+from tailtamer.atomic import atomic_write_text
 from tailtamer.errors import ConfigError
 
 
@@ -114,8 +115,13 @@ class WandbLogger:
         import wandb
 
         id_file = run_dir / "wandb-id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
-        id_file.write_text(run_id + "\n")
+        try:
+            run_id = id_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            run_id = ""
+        if not run_id:
+            run_id = uuid.uuid4().hex[:8]
+            atomic_write_text(id_file, run_id + "\n")
         mode = os.environ.get("WANDB_MODE", "offline")
         resume = {} if mode in ("offline", "dryrun", "disabled") else {"resume": "allow"}
         self.run = wandb.init(project="tailtamer", name=run_dir.name, dir=str(run_dir), config=cfg_dict,

@@ -37,7 +37,8 @@ def test_yaml_1_2_scalars():
     (["rl=3"], "rl: expected a section"),
     (["rl.advantage=ppo"], "rl.advantage 'ppo' is unknown"),
     (["rl.kl_coef=0.1", "rl.kl_estimator=k1"], "rl.kl_estimator 'k1': log π − log π_ref as a loss has a gradient of 0 in expectation"),
-    (["rl.kl_estimator=kl"], "reference; choose k2 (the gradient of KL(π‖π_ref)) or k3 (of KL(π_ref‖π)"),
+    (["rl.kl_coef=0.1", "rl.kl_estimator=kl"], "reference; choose k2 (the gradient of KL(π‖π_ref)) or k3 (of KL(π_ref‖π)"),
+    (["rl.kl_estimator=k4"], "rl.kl_estimator 'k4' is unknown"),
     (["rl.loss_agg=sum"], "rl.loss_agg 'sum' is unknown"),
     (["rl.minibatches=3"], "must divide prompts_per_step x group_size"),
     (["rollout.group_size=1", "rl.advantage=rloo"], "rollout.group_size must be >= 2, got 1: every advantage"),
@@ -73,6 +74,9 @@ def test_bad_files(tmp_path):
         load_train_config(tmp_path / "none.yaml")
     with pytest.raises(ConfigError, match=r"run.steps: config file not found \(an override is KEY=VALUE: run.steps=...\)"):
         load_train_config("run.steps")  # `tailtamer train run.steps`: a mistyped override, taken for a file
+    with pytest.raises(ConfigError, match=r"rl.yaml: config file not found$"):
+        load_train_config("rl.yaml")
+    assert load_train_config(None, ["rl.kl_estimator=k1"]).rl.kl_coef == 0  # unused: an older run's config resumes
     bad = tmp_path / "bad.yaml"
     bad.write_text("rl: [1, 2\n")
     with pytest.raises(ConfigError, match="bad.yaml: malformed YAML"):

@@ -56,6 +56,7 @@ def test_a_run_killed_before_its_first_step_gives_its_name_back(toy, tmp_path):
         _train(toy, "run.steps=1", resume=run)
     _train(toy, "run.steps=1", "run.name=cut")
     assert len(_rows(run)) == 1
+    assert not (run / "wandb-id").exists() and (run / "reward.log").read_text() == ""  # the killed run's, gone
     for name, files in (("data", {"mine.jsonl": "{}\n"}), ("proj", {"config.yaml": "run: {name: proj}\n",
                                                                       "notes.txt": "mine"})):
         other = tmp_path / "runs" / name

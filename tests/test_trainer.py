@@ -299,6 +299,41 @@ def test_what_the_reward_prints_goes_to_the_run_directory(toy, tmp_path, capfd):
     assert "scored" not in capfd.readouterr().err
 
 
+def test_a_run_that_fails_in_its_first_step_keeps_what_its_reward_printed(toy, tmp_path):
+    """Its directory is removed (its name stays free) but for reward.log, which may say why."""
+    from tailtamer.rl.trainer import TrainingError
+
+    reward = tmp_path / "broken_reward.py"
+    reward.write_text("def broken(response, answer):\n    print('parsing', repr(answer))\n    raise ValueError(answer)\n")
+    cfg = load_train_config(None, toy + [f"rl.reward={reward}:broken", "run.steps=1", "run.name=broken"])
+    with pytest.raises(TrainingError, match="every reward of step 1 failed"):
+        train(cfg, log=lambda _: None, console=lambda _: None)
+    run = tmp_path / "runs" / "broken"
+    assert [p.name for p in run.iterdir()] == ["reward.log"]
+    assert (run / "reward.log").read_text().splitlines()[0] == "parsing '0'"
+    train(load_train_config(None, toy + ["run.steps=1", "run.name=broken"]), log=lambda _: None, console=lambda _: None)
+    assert len(_rows(run)) == 1 and (run / "reward.log").read_text() == ""  # the name was free; the old log gone
+
+
+def test_an_empty_or_unreadable_wandb_id_gets_a_new_one(tmp_path, monkeypatch):
+    import importlib.machinery
+    import types
+
+    from tailtamer.metrics import WandbLogger
+
+    started = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: started.append(kw["id"]) or types.SimpleNamespace(resumed=False)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for content in (b"", b"\n", b"\xff\xfe"):
+        (tmp_path / "wandb-id").write_bytes(content)
+        WandbLogger(tmp_path, {}, 0)
+        assert started[-1] and (tmp_path / "wandb-id").read_text() == started[-1] + "\n"
+    WandbLogger(tmp_path, {}, 2)
+    assert started[-1] == started[-2]  # a readable id is kept
+
+
 def test_samples_log_shows_what_the_model_wrote(toy, tmp_path):
     import importlib.util
 

@@ -190,7 +190,8 @@ def char_tokenizer() -> Tokenizer:
     Written as a byte-level BPE with no merges (the vocabulary in byte-level symbols), so text
     splits into single characters here and in transformers alike: transformers ≥ 5 rebuilds
     the tokenizer of any Qwen2 directory as its own byte-level `Qwen2Tokenizer` from the
-    vocabulary, and a plain character vocabulary lost its spaces and newlines there.
+    vocabulary, and a plain character vocabulary lost its spaces and newlines there. A character
+    outside the alphabet is one <unk> per UTF-8 byte (it was one <unk>; Qwen2Tokenizer drops it).
     """
     vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS + tuple(byte_level_symbol(c) for c in CHAR_ALPHABET))}
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))

@@ -31,7 +31,8 @@ class RunDirBusy(ConfigError):
 
 # What a run writes before its first step ends: a directory of only these, its config naming
 # it and no step's metrics in it, is a run killed in its first step (SIGTERM or SIGKILL).
-STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", "reward.log", "tensorboard", "wandb",
+REWARD_LOG = "reward.log"  # what the user's reward functions print
+STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", REWARD_LOG, "tensorboard", "wandb",
                  "wandb-id"}
 
 
@@ -58,12 +59,19 @@ class RunDirLock:
     def release(self, remove_if_unused: bool = False) -> None:
         """Drop the lock; with `remove_if_unused`, remove a directory this claim created if the
         run finished no step in it (a run that failed at start-up or in its first step leaves
-        no directory that would block its name)."""
+        no directory that would block its name), but for what its reward functions printed,
+        which may say why it failed (a directory holding only that is free for a new run)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         if remove_if_unused and self.created and not finished_a_step(self.path):
-            shutil.rmtree(self.path, ignore_errors=True)
+            log = self.path / REWARD_LOG
+            if not (log.is_file() and log.stat().st_size):
+                shutil.rmtree(self.path, ignore_errors=True)
+                return
+            for entry in self.path.iterdir():
+                if entry.name != REWARD_LOG:
+                    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
 def finished_a_step(path: Path) -> bool:
@@ -90,7 +98,7 @@ def unstarted_run(path: Path) -> bool:
 def _holds_a_run(path: Path) -> bool:
     """The directory holds a run that finished a step, or files of something else: either way
     not ours to write into."""
-    if not path.is_dir() or not any(p.name != ".lock" for p in path.iterdir()):
+    if not path.is_dir() or not any(p.name not in (".lock", REWARD_LOG) for p in path.iterdir()):
         return False
     return not unstarted_run(path)
 
@@ -137,6 +145,9 @@ def claim_run_dir(cfg, resume: Path | None):
             if name:
                 raise ConfigError(f"{path} already holds a run; give another run.name")
             continue
+        for stale in (REWARD_LOG, "wandb-id"):  # of a run that ended in its first step: not this one's
+            (path / stale).unlink(missing_ok=True)
+        lock.created = lock.created or not any(p.name != ".lock" for p in path.iterdir())
         return replace(cfg, run=replace(cfg.run, name=candidate)), lock
     raise ConfigError(f"run.out_dir {out}: no free run name left")
 

@@ -25,7 +25,7 @@ from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint
 from tailtamer.rl.data import PromptOrder, datasets, held_out_count, read_rows
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
-from tailtamer.rl.run_dir import DEFAULT_NAME
+from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG
 from tailtamer.rl.sharding import SHARDINGS, Replicated
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
@@ -145,7 +145,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     # A reward function's prints (verl's print samples now and then) would tear the console's
     # step lines and progress bar apart: they go to the run directory (where this worker sees it).
     own = [spec for spec in cfg.rl.reward if spec not in ("auto", *BUILTIN_REWARDS)]
-    output = run_dir / "reward.log" if own and run_dir.is_dir() else None
+    output = run_dir / REWARD_LOG if own and run_dir.is_dir() else None
     if output is not None:
         log(f"rl.reward: what {' and '.join(own)} print{'s' * (len(own) == 1)} goes to {output}")
     scorer = RewardScorer(cfg.rl.reward, cfg.rl.reward_timeout_s, cfg.rl.reward_weights, output=output)
