@@ -36,6 +36,11 @@ ACCEPTANCE_RULES = ("exact",)
 LOSSY_RULES = ("typical", "threshold", "relaxed", "greedy_under_sampling", "lenient")
 
 
+# Deeper drafts would need positions past the rotary table's headroom (model/transformer.py)
+# and are never accepted anyway: EAGLE-2 and EAGLE-3 draft 5 to 8 levels.
+MAX_DEPTH = 64
+
+
 @dataclass(frozen=True)
 class Strategy:
     """`D_K_N`: draft depth D, top-k K per expansion, N tokens to verify (tree size with the root)."""
@@ -47,9 +52,15 @@ class Strategy:
     def __post_init__(self):
         if self.depth < 1 or self.topk < 1 or self.verify < 2:
             raise ConfigError(f"strategy {self.name}: need depth >= 1, topk >= 1 and tokens to verify >= 2")
+        if self.depth > MAX_DEPTH:
+            raise ConfigError(f"strategy {self.name}: depth at most {MAX_DEPTH} (drafts that deep are never accepted)")
         if self.verify - 1 > self.candidates:
             raise ConfigError(f"strategy {self.name}: {self.verify - 1} draft tokens requested but depth "
                               f"{self.depth} x top-k {self.topk} yields only {self.candidates} candidates")
+        if self.topk == 1 and self.verify != self.depth + 1:  # a chain drafts its depth, all verified
+            raise ConfigError(f"strategy {self.name}: a chain (top-k 1) verifies its {self.depth} drafts and the "
+                              f"pending token; write {self.depth}_1_{self.depth + 1}, or {self.verify - 1}_1_"
+                              f"{self.verify} for {self.verify - 1} drafts")
 
     @property
     def candidates(self) -> int:
