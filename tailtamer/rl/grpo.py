@@ -139,7 +139,9 @@ AGGREGATIONS: dict[str, Callable] = {
 # As a loss term over tokens drawn from π, what matters is an estimator's expected gradient
 # (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL", arXiv
 # 2506.09477): k1 = log π − log π_ref has E_π[∇k1] = E_π[∇log π] = 0, so it does not regularise
-# at all and is refused at start-up (config.py); k2 and k3 below do.
+# at all and is refused at start-up (config.py); k2 and k3 below do, token by token (summed
+# over a response they still leave out how a token's distribution moves the later ones: a
+# partial gradient of the sequence-level KL, as in TRL and verl; same paper, §4).
 
 
 def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

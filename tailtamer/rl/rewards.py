@@ -259,9 +259,9 @@ class RewardScorer:
     # --- the child process ------------------------------------------------------------------
 
     def _start(self) -> None:
+        output = open(self.output, "ab") if self.output is not None else None
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        output = open(self.output, "ab") if self.output is not None else None
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "tailtamer.rl.reward_worker", str(to_child_r), str(from_child_w),
