@@ -70,8 +70,10 @@ class RunDirLock:
                 shutil.rmtree(self.path, ignore_errors=True)
                 return
             for entry in self.path.iterdir():
-                if entry.name != REWARD_LOG:
-                    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                elif entry.name != REWARD_LOG:
+                    entry.unlink(missing_ok=True)
 
 
 def finished_a_step(path: Path) -> bool:
