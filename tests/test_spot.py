@@ -73,8 +73,37 @@ def test_buffer_budget_drops_the_oldest_and_counts():
     for step in range(5):
         buf.add(entry(step, 10))
     assert [e.step for e in buf.entries] == [2, 3, 4] and buf.dropped == 2 and buf.nbytes == 3 * size
-    buf.add(entry(9, 1000))  # larger than the whole budget: refused, counted, nothing evicted
-    assert len(buf) == 3 and buf.dropped == 3
+    long = Entry(9, torch.arange(1000), _position_hidden(1000), 10)
+    buf.add(long)  # larger than the whole budget: its last part that fits (30 tokens), which takes all of it
+    assert [e.step for e in buf.entries] == [9] and buf.dropped == 5 and buf.nbytes <= 3 * size
+    kept = buf.entries[0]
+    assert kept.tokens.tolist() == list(range(970, 1000)) and kept.hidden[0, 0] == 970 and kept.response_start == 1
+    assert all(pairs(kept)[3])  # every pair of the tail is a response pair
+
+
+def test_a_long_response_is_trained_and_scored_a_window_at_a_time():
+    """A drafter step and the estimate stay their size (a packed row's mask is n²): a random
+    window of the response's pairs for a step, the first ones for the estimate."""
+    entry = Entry(0, torch.arange(5000), _position_hidden(5000), 100)
+    buf = DataBuffer(10**9)
+    buf.add(entry)
+    for seed in range(20):
+        (window,) = buf.sample(random.Random(seed), max_tokens=512)
+        start = int(window.tokens[0])
+        assert len(window.tokens) == 513 and window.tokens.tolist() == list(range(start, start + 513))
+        assert 99 <= start <= 5000 - 513 and window.hidden[:, 0].tolist() == [float(t) for t in window.tokens]
+        x_in, h_in, h_next, mask = pairs(window)
+        assert mask.all() and (h_next[:, 0] - h_in[:, 0] == 1).all()  # h_t beside x_{t+1}, predicting h_{t+1}
+    assert len({int(w.tokens[0]) for w in (buf.sample(random.Random(s), 512)[0] for s in range(20))}) > 10
+    target = random_model()
+    drafter = init_drafter(target, seed=1)
+    lengths = []
+    real = drafter.forward
+    drafter.forward = lambda ids, *a, **k: lengths.append(ids.shape[1]) or real(ids, *a, **k)
+    tokens = torch.randint(3, target.config.vocab_size, (1000,))
+    hidden = target.hidden_states(tokens[None])[0]
+    value, steps = estimate_accept_length(drafter, [Entry(0, tokens, hidden, 20)], 3, T1, group_tokens=128)
+    assert lengths == [128] and 1 <= value and steps > 0
 
 
 def test_one_step_offset_mixes_newest_step_with_previous_long_ones():

@@ -50,7 +50,7 @@ class AdaptiveDrafter:
         fresh = self.buffer.newest()
         if fresh and not should_stop():
             report["accept_est"] = estimate_accept_length(self.drafter, fresh, self.depth, self.params, budget=1024)
-            if self.frozen is not None:
+            if self.frozen is not None and not should_stop():
                 report["accept_est_frozen"] = estimate_accept_length(self.frozen, fresh, self.depth, self.params,
                                                                      budget=1024)
         return {**report, **self.trainer.train(should_stop, deadline)}

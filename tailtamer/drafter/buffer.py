@@ -51,6 +51,26 @@ def pairs(entry: Entry):
     return entry.tokens[1:], entry.hidden[:-1], entry.hidden[1:], mask
 
 
+def crop(entry: Entry, start: int, n: int) -> Entry:
+    """Pairs [start, start + n) of `entry` as an entry of their own (n + 1 tokens), so a
+    drafter step or score over a long response stays n positions long (a packed row's mask
+    is n², and a step is the preemption latency). The window attends only to itself; its
+    positions restart at 0, which rotary attention cannot tell apart (it sees offsets only)."""
+    end = start + n + 1
+    return Entry(entry.step, entry.tokens[start:end], entry.hidden[start:end], max(1, entry.response_start - start),
+                 complete=entry.complete and end >= len(entry.tokens))
+
+
+def response_window(entry: Entry, n: int, rng: random.Random | None = None) -> Entry:
+    """`entry` itself when it has at most n pairs, else n of its pairs that hold response
+    tokens: at a random place with `rng`, else from the response's start."""
+    size = len(entry.tokens) - 1
+    if size <= n:
+        return entry
+    first, last = min(max(0, entry.response_start - 1), size - n), size - n
+    return crop(entry, rng.randint(first, last) if rng is not None else first, n)
+
+
 class DataBuffer:
     def __init__(self, max_bytes: int, dtype: torch.dtype = torch.float32):
         if max_bytes <= 0:
@@ -77,9 +97,13 @@ class DataBuffer:
         return True
 
     def add(self, entry: Entry) -> None:
-        if entry.nbytes > self.max_bytes:
-            self.dropped += 1
-            return
+        if entry.nbytes > self.max_bytes:  # longer than the whole budget: its last part that fits
+            per_token = entry.nbytes // len(entry.tokens)
+            n = self.max_bytes // per_token - 1
+            if n < 1:
+                self.dropped += 1
+                return
+            entry = crop(entry, len(entry.tokens) - 1 - n, n)
         while self.entries and self.nbytes + entry.nbytes > self.max_bytes:
             self.nbytes -= self.entries.popleft().nbytes
             self.dropped += 1
@@ -107,11 +131,13 @@ class DataBuffer:
 
     def sample(self, rng: random.Random, max_tokens: int, long_quantile: float = 0.5) -> list[Entry]:
         """Entries drawn without replacement from the one-step-offset pool until `max_tokens`
-        pair positions are filled (at least one entry when the pool is not empty)."""
+        pair positions are filled (at least one entry when the pool is not empty; of an entry
+        longer than that, a random window of `max_tokens` pairs)."""
         pool = self.candidates(long_quantile)
         rng.shuffle(pool)
         chosen, used = [], 0
         for entry in pool:
+            entry = response_window(entry, max_tokens, rng)
             size = len(entry.tokens) - 1
             if chosen and used + size > max_tokens:
                 continue

@@ -6,7 +6,8 @@ It follows the engine's rule (rollout/speculative.py): the drafter's depth-D cha
 top-1 token d at each level, and the exact walk accepts d with probability p(d), p the
 target's processed distribution (temperature, top-p) there. Teacher-forced: level k drafts
 from the target's true features of the response rather than from its own, so the estimate
-is an upper bound of what a rollout measures; how close it comes is tested against the engine.
+approximates what a rollout measures, within a few percent either way (the drafter's own
+features can be better or worse inputs); how close it comes is tested against the engine.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tailtamer.drafter.buffer import pairs
+from tailtamer.drafter.buffer import pairs, response_window
 from tailtamer.drafter.train import pack
 from tailtamer.rollout.sampling import SamplingParams, target_probs
 
@@ -58,7 +59,9 @@ def estimate_accept_length(drafter, entries: list, depth: int, params: SamplingP
     """(expected accept length, expected SD steps) of `drafter`'s depth-`depth` chain on
     buffer entries: Σ tokens / Σ E[steps] over the responses, as the engine counts it (the
     steps weigh estimates of several workers into one). A metric, so it looks at an evenly
-    strided subset of about `budget` pair positions, packed `group_tokens` at a time."""
+    strided subset of about `budget` pair positions, packed `group_tokens` at a time (of a
+    longer response, its first `group_tokens` pairs)."""
+    entries = [response_window(e, group_tokens) for e in entries]
     size = sum(len(e.tokens) - 1 for e in entries)
     entries = [e for e in entries[:: max(1, -(-size // budget))] if e.response_len > int(e.complete)]
     groups, group, used = [], [], 0

@@ -35,7 +35,8 @@ class SpotConfig:
     window_s: float = f(2.0, "single worker: seconds of drafter training after each rollout")
     max_steps: int = f(200, "drafter steps per RL step at most")
     lr: float = f(5e-4, "AdamW learning rate of the drafter")
-    tokens_per_step: int = f(512, "packed tokens per drafter step (a step is the preemption latency)")
+    tokens_per_step: int = f(512, "packed tokens per drafter step (a step is the preemption latency); a longer "
+                                  "response gives a random window of this many")
     buffer_mb: int = f(256, "DataBuffer budget (MiB); the oldest entries are dropped beyond it")
     long_quantile: float = f(0.5, "one-step offset: previous-step responses at least this length quantile")
     compare_frozen: bool = f(True, "also score the warm-up drafter on each step's fresh data (in idle time)")
