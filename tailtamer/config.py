@@ -193,7 +193,7 @@ class RLConfig:
                               f"low_var_kl)")
         for name, registry in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES), ("loss_agg", AGGREGATIONS),
                                ("kl_estimator", KL_ESTIMATORS), ("lr_schedule", LR_SCHEDULES)):
-            if name == "kl_estimator" and self.kl_coef == 0 and self.kl_estimator in ("k1", "kl"):
+            if name == "kl_estimator" and self.kl_coef <= 0 and self.kl_estimator in ("k1", "kl"):
                 continue  # unused; an older run's config.yaml may name it
             if getattr(self, name) not in registry:
                 raise ConfigError(f"rl.{name} {getattr(self, name)!r} is unknown; choose one of {sorted(registry)}")

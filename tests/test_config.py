@@ -39,6 +39,7 @@ def test_yaml_1_2_scalars():
     (["rl.kl_coef=0.1", "rl.kl_estimator=k1"], "rl.kl_estimator 'k1': log π − log π_ref as a loss has a gradient of 0 in expectation"),
     (["rl.kl_coef=0.1", "rl.kl_estimator=kl"], "reference; choose k2 (the gradient of KL(π‖π_ref)) or k3 (of KL(π_ref‖π)"),
     (["rl.kl_estimator=k4"], "rl.kl_estimator 'k4' is unknown"),
+    (["rl.kl_estimator=k1", "rl.kl_coef=-0.1"], "rl.kl_coef must be >= 0"),
     (["rl.loss_agg=sum"], "rl.loss_agg 'sum' is unknown"),
     (["rl.minibatches=3"], "must divide prompts_per_step x group_size"),
     (["rollout.group_size=1", "rl.advantage=rloo"], "rollout.group_size must be >= 2, got 1: every advantage"),

@@ -301,6 +301,7 @@ def test_what_the_reward_prints_goes_to_the_run_directory(toy, tmp_path, capfd):
 
 def test_a_run_that_fails_in_its_first_step_keeps_what_its_reward_printed(toy, tmp_path):
     """Its directory is removed (its name stays free) but for reward.log, which may say why."""
+    from tailtamer.errors import ConfigError
     from tailtamer.rl.trainer import TrainingError
 
     reward = tmp_path / "broken_reward.py"
@@ -309,10 +310,16 @@ def test_a_run_that_fails_in_its_first_step_keeps_what_its_reward_printed(toy, t
     with pytest.raises(TrainingError, match="every reward of step 1 failed"):
         train(cfg, log=lambda _: None, console=lambda _: None)
     run = tmp_path / "runs" / "broken"
-    assert [p.name for p in run.iterdir()] == ["reward.log"]
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "reward.log"]
     assert (run / "reward.log").read_text().splitlines()[0] == "parsing '0'"
     train(load_train_config(None, toy + ["run.steps=1", "run.name=broken"]), log=lambda _: None, console=lambda _: None)
     assert len(_rows(run)) == 1 and (run / "reward.log").read_text() == ""  # the name was free; the old log gone
+    mine = tmp_path / "runs" / "mine"  # a directory of the user's that holds a file of that name is not ours
+    mine.mkdir()
+    (mine / "reward.log").write_text("my notes")
+    with pytest.raises(ConfigError, match="runs/mine is a directory of other files, not a run"):
+        train(load_train_config(None, toy + ["run.steps=1", "run.name=mine"]), log=lambda _: None, console=lambda _: None)
+    assert [p.name for p in mine.iterdir()] == ["reward.log"] and (mine / "reward.log").read_text() == "my notes"
 
 
 def test_an_empty_or_unreadable_wandb_id_gets_a_new_one(tmp_path, monkeypatch):

@@ -60,20 +60,22 @@ class RunDirLock:
         """Drop the lock; with `remove_if_unused`, remove a directory this claim created if the
         run finished no step in it (a run that failed at start-up or in its first step leaves
         no directory that would block its name), but for what its reward functions printed,
-        which may say why it failed (a directory holding only that is free for a new run)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        which may say why it failed (a directory holding only that and `.lock` is free for a
+        new run). The lock is held until the directory is cleaned: a run claiming the name
+        meanwhile is told it is busy."""
         if remove_if_unused and self.created and not finished_a_step(self.path):
             log = self.path / REWARD_LOG
             if not (log.is_file() and log.stat().st_size):
                 shutil.rmtree(self.path, ignore_errors=True)
-                return
-            for entry in self.path.iterdir():
-                if entry.is_dir():
-                    shutil.rmtree(entry, ignore_errors=True)
-                elif entry.name != REWARD_LOG:
-                    entry.unlink(missing_ok=True)
+            else:
+                for entry in self.path.iterdir():
+                    if entry.is_dir():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    elif entry.name not in (REWARD_LOG, ".lock"):
+                        entry.unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def finished_a_step(path: Path) -> bool:
@@ -100,7 +102,8 @@ def unstarted_run(path: Path) -> bool:
 def _holds_a_run(path: Path) -> bool:
     """The directory holds a run that finished a step, or files of something else: either way
     not ours to write into."""
-    if not path.is_dir() or not any(p.name not in (".lock", REWARD_LOG) for p in path.iterdir()):
+    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    if names <= {".lock"} or names == {".lock", REWARD_LOG}:  # empty, or left by a run that failed at once
         return False
     return not unstarted_run(path)
 
