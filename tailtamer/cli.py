@@ -48,6 +48,8 @@ def _writable_dir(directory: Path, flag: str, path: str) -> None:
 def output_file(path: str, flag: str, inputs: dict[str, str] = {}) -> None:
     """An output file must be writable where it is asked for and must not be one of the
     command's inputs (or lie inside an input directory), checked before any work."""
+    if not path:
+        raise TailtamerError(f"{flag} is empty; give a file path")
     p = Path(path)
     if p.is_dir():
         raise TailtamerError(f"{flag} {path} is a directory; give a file path")
@@ -61,6 +63,8 @@ def output_file(path: str, flag: str, inputs: dict[str, str] = {}) -> None:
 def fresh_output_dir(path: str, flag: str, ours: tuple[str, ...] = ()) -> None:
     """A directory a command writes into: never over a file or another directory's content
     (files named in `ours`, the command's own earlier output, excepted)."""
+    if not path:
+        raise TailtamerError(f"{flag} is empty; give a directory to create")
     p = Path(path)
     if p.is_file():
         raise TailtamerError(f"{flag} {path} is a file; give a directory to create")

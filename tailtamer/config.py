@@ -335,6 +335,8 @@ def apply_override(data: dict, item: str) -> None:
         raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. rl.lr=1e-6)"
                           + ("; a config file goes first: tailtamer train FILE KEY=VALUE ..." if first else ""))
     key, raw = item.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {item!r} has no field name before '=' (e.g. rl.lr=1e-6)")
     try:
         value = parse_yaml(raw) if raw != "" else None
     except yaml.YAMLError as e:
@@ -356,6 +358,8 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
     data: dict = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"{path} is a directory, not a config file (a run directory resumes with --resume)")
         if not path.is_file():
             section = str(path).split(".")[0]
             key = section in {x.name for x in fields(TrainConfig)} and path.suffix not in (".yaml", ".yml", ".json")

@@ -323,3 +323,11 @@ def test_a_failed_command_leaves_no_empty_directories_it_created(tmp_path, capsy
     assert "unknown model preset 'huge'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("argv,message", [(["task", "--out", ""], "--out is empty; give a file path"),
+                                          (["init-model", "--preset", "tiny", "--out", ""],
+                                           "--out is empty; give a directory to create")])
+def test_an_empty_output_path_is_named(argv, message, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"

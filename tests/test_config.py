@@ -39,6 +39,10 @@ def test_yaml_1_2_scalars():
     (["rl.kl_coef=0.1", "rl.kl_estimator=k1"], "rl.kl_estimator 'k1': log π − log π_ref as a loss has a gradient of 0 in expectation"),
     (["rl.kl_coef=0.1", "rl.kl_estimator=kl"], "reference; choose k2 (the gradient of KL(π‖π_ref)) or k3 (of KL(π_ref‖π)"),
     (["rl.kl_estimator=k4"], "rl.kl_estimator 'k4' is unknown"),
+    (["=1"], "override '=1' has no field name before '='"),
+    (["spec.strategies=[]"], "spec.strategies is empty"),
+    (["spec.strategies=[4_2_8, 4_2_8]"], "spec.strategies names ['4_2_8'] twice"),
+    (["spec.bucket_thresholds=[-1]"], "spec.bucket_thresholds must start at 1 and increase strictly, got [-1]"),
     (["rl.kl_estimator=k1", "rl.kl_coef=-0.1"], "rl.kl_coef must be >= 0"),
     (["rl.loss_agg=sum"], "rl.loss_agg 'sum' is unknown"),
     (["rl.minibatches=3"], "must divide prompts_per_step x group_size"),
@@ -77,6 +81,8 @@ def test_bad_files(tmp_path):
         load_train_config("run.steps")  # `tailtamer train run.steps`: a mistyped override, taken for a file
     with pytest.raises(ConfigError, match=r"rl.yaml: config file not found$"):
         load_train_config("rl.yaml")
+    with pytest.raises(ConfigError, match=r"is a directory, not a config file \(a run directory resumes with --resume\)"):
+        load_train_config(tmp_path)
     assert load_train_config(None, ["rl.kl_estimator=k1"]).rl.kl_coef == 0  # unused: an older run's config resumes
     bad = tmp_path / "bad.yaml"
     bad.write_text("rl: [1, 2\n")

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tailtamer.config import load_train_config
-from tailtamer.errors import CheckpointError, ConfigError
+from tailtamer.errors import CheckpointError, ConfigError, DataError
 from tailtamer.rl.trainer import TrainingError, launch, train
 from conftest import write_jsonl
 from test_trainer import _comparable, _rows
@@ -70,6 +70,21 @@ def test_a_run_killed_before_its_first_step_gives_its_name_back(toy, tmp_path):
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
     with pytest.raises(ConfigError, match=r"runs/cut holds a run with no checkpoint to resume from; give another"):
         _train(toy, "run.steps=1", "run.name=cut")
+
+
+def test_a_run_that_fails_at_start_up_leaves_no_empty_out_dir(toy, tmp_path):
+    """run.out_dir the claim created goes with the run directory; one with files stays."""
+    from tailtamer.rl.trainer import launch
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt"}\n')
+    for out in (tmp_path / "new" / "runs", tmp_path / "mine"):
+        with pytest.raises(DataError, match="row has neither 'prompt' nor 'messages'"):
+            launch(load_train_config(None, toy + [f"data.train={bad}", f"run.out_dir={out}", "run.workers=1"]))
+        (tmp_path / "mine").mkdir(exist_ok=True)
+        (tmp_path / "mine" / "notes.txt").write_text("kept")
+    assert not (tmp_path / "new").exists()
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
 def test_without_a_name_a_run_passes_over_one_in_its_first_step(toy, tmp_path):

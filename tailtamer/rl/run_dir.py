@@ -39,8 +39,9 @@ STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", REWAR
 class RunDirLock:
     """The claim of one run directory (held until `release` or the process's end)."""
 
-    def __init__(self, path: Path, created: bool):
+    def __init__(self, path: Path, created: bool, parents: tuple[Path, ...] = ()):
         self.path, self.created = path, created
+        self.parents = parents  # directories above `path` the claim created (run.out_dir), deepest first
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -67,6 +68,11 @@ class RunDirLock:
             log = self.path / REWARD_LOG
             if not (log.is_file() and log.stat().st_size):
                 shutil.rmtree(self.path, ignore_errors=True)
+                for parent in self.parents:  # an empty run.out_dir of its own too; one with files stays
+                    try:
+                        parent.rmdir()
+                    except OSError:
+                        break
             else:
                 for entry in self.path.iterdir():
                     if entry.is_dir():
@@ -134,11 +140,12 @@ def claim_run_dir(cfg, resume: Path | None):
             if name:
                 raise ConfigError(_taken(path))
             continue
+        parents = tuple(d for d in path.parents if not d.exists())
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"run.out_dir: cannot create {path} ({e.strerror or e})") from None
-        lock = RunDirLock(path, created=not any(path.iterdir()))
+        lock = RunDirLock(path, created=not any(path.iterdir()), parents=parents)
         try:
             lock.acquire()
         except RunDirBusy:  # a run in its first step: without a name, take the next one

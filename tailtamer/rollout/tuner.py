@@ -104,6 +104,11 @@ class BEGTuner:
     arms: list[dict[int, dict[str, _Arm]]] = field(init=False)  # bucket -> size class -> arm
 
     def __post_init__(self):
+        if not self.strategies:
+            raise ConfigError("spec.strategies is empty: give the bandit at least one strategy")
+        names = [s.name for s in self.strategies]
+        if len(set(names)) < len(names):
+            raise ConfigError(f"spec.strategies names {sorted({n for n in names if names.count(n) > 1})} twice")
         self.groups = group_by_verify(self.strategies)
         validate_buckets(self.groups, self.thresholds)
         if not 0 <= self.epsilon <= 1:
@@ -156,9 +161,10 @@ class BEGTuner:
 
 
 def validate_buckets(groups: list[list[Strategy]], thresholds: list[int]) -> None:
+    # the values first: a negative threshold is the mistake to name, not the count
+    if not thresholds or thresholds[0] != 1 or any(b <= a for a, b in zip(thresholds, thresholds[1:])):
+        raise ConfigError(f"spec.bucket_thresholds must start at 1 and increase strictly, got {thresholds}")
     if len(thresholds) != len(groups):
         sizes = [g[0].verify for g in groups]
         raise ConfigError(f"spec.bucket_thresholds has {len(thresholds)} entries but the strategies form "
                           f"{len(groups)} groups by tokens to verify {sizes}: give one threshold per group")
-    if not thresholds or thresholds[0] != 1 or any(b <= a for a, b in zip(thresholds, thresholds[1:])):
-        raise ConfigError(f"spec.bucket_thresholds must start at 1 and increase strictly, got {thresholds}")
