@@ -33,6 +33,17 @@ def test_generate_writes_rows_and_stats(model_dir, tmp_path):
     assert len(s["timeline"]) == s["decode_steps"]
 
 
+def test_generate_says_when_the_context_will_cut_responses(model_dir, tmp_path, capsys):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "12+3=?\n"})])
+    argv = ["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
+            "--temperature", "0"]
+    assert main(argv + ["--max-new-tokens", "8"]) == 0
+    assert "context" not in capsys.readouterr().err
+    assert main(argv + ["--max-new-tokens", "100000"]) == 0
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 100000, but the model's context is 256 tokens and prompts take up to 7" in err
+
+
 def test_generate_is_reproducible_and_greedy_is_deterministic(model_dir, tmp_path):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "5+5=?\n"})])
 
