@@ -138,15 +138,15 @@ def cmd_generate(args) -> None:
         output_file(args.stats, "--stats", {**inputs, "--out": args.out})
     model, tokenizer = load_pretrained(args.model, args.dtype, device)
     rows, prompts = load_prompts(args.prompts, tokenizer)
-    context, longest = model.config.max_position_embeddings, max(map(len, prompts))
-    if longest + args.max_new_tokens > context:  # as train says it
-        print(f"--max-new-tokens {args.max_new_tokens}, but the model's context is {context} tokens and prompts take "
-              f"up to {longest}: a response that reaches the context ends there (finish_reason length)",
-              file=sys.stderr)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
                     speculator=make_speculator(spec, model))
     labels = [f"{args.prompts}:{row['_row']}" for row in rows]
     completions, stats = engine.generate(prompts, params, labels)
+    context, longest = model.config.max_position_embeddings, max(map(len, prompts))
+    if longest + args.max_new_tokens > context:  # as train says it (after the run: an error stays one line)
+        print(f"--max-new-tokens {args.max_new_tokens}, but the model's context is {context} tokens and prompts take "
+              f"up to {longest}: a response that reaches the context ends there (finish_reason length)",
+              file=sys.stderr)
     if engine.proposer is not None and engine.proposer.notice:
         print(engine.proposer.notice, file=sys.stderr)
     lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
