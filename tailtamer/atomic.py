@@ -39,6 +39,24 @@ def temp_dir(final: Path) -> Path:
     return tmp
 
 
+def make_dirs(path: Path) -> list[Path]:
+    """`path.mkdir(parents=True, exist_ok=True)`, returning the directories it created, for
+    `remove_empty_dirs` when what needed them fails."""
+    created = [d for d in [path, *path.parents] if not d.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def remove_empty_dirs(directories) -> None:
+    """Remove those of `directories` that are empty, deepest first (a parent empties as its
+    children go); one that holds anything stays."""
+    for directory in sorted(directories, key=lambda d: len(Path(os.path.abspath(d)).parts), reverse=True):
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
+
+
 def write_dir(final: Path, write: Callable[[Path], None], existing: str = "empty") -> bool:
     """Fill a directory with `write(tmp)` in a hidden sibling and rename it to `final`, so an
     error or an interrupt leaves `final` as it was. `existing`, for a `final` already there:

@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tailtamer.atomic import make_dirs, remove_empty_dirs
 from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.stopping import Interrupted
 from tailtamer.rollout.speculator import SpecConfig
@@ -37,8 +38,7 @@ def _writable_dir(directory: Path, flag: str, path: str) -> None:
     if any(parent.is_file() for parent in [directory, *directory.parents]):
         raise TailtamerError(f"{flag} {path}: a parent of it is a file")
     try:
-        _CREATED.extend(reversed([d for d in [directory, *directory.parents] if not d.exists()]))
-        directory.mkdir(parents=True, exist_ok=True)
+        _CREATED.extend(make_dirs(directory))
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
@@ -407,11 +407,7 @@ def _run(args) -> None:
     try:
         args.func(args)
     except BaseException:
-        for directory in reversed(_CREATED):  # deepest first; one with files in it stays
-            try:
-                directory.rmdir()
-            except OSError:
-                pass
+        remove_empty_dirs(_CREATED)
         raise
 
 

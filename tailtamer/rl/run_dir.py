@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from tailtamer.atomic import atomic_write_text
+from tailtamer.atomic import atomic_write_text, make_dirs, remove_empty_dirs
 from tailtamer.config_fields import absolute_paths
 from tailtamer.errors import ConfigError
 
@@ -39,9 +39,9 @@ STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", REWAR
 class RunDirLock:
     """The claim of one run directory (held until `release` or the process's end)."""
 
-    def __init__(self, path: Path, created: bool, parents: tuple[Path, ...] = ()):
+    def __init__(self, path: Path, created: bool, made: list[Path] = ()):
         self.path, self.created = path, created
-        self.parents = parents  # directories above `path` the claim created (run.out_dir), deepest first
+        self.made = made  # the directories the claim created: `path` and those above it (run.out_dir)
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -68,11 +68,7 @@ class RunDirLock:
             log = self.path / REWARD_LOG
             if not (log.is_file() and log.stat().st_size):
                 shutil.rmtree(self.path, ignore_errors=True)
-                for parent in self.parents:  # an empty run.out_dir of its own too; one with files stays
-                    try:
-                        parent.rmdir()
-                    except OSError:
-                        break
+                remove_empty_dirs(self.made)  # an empty run.out_dir of its own too; one with files stays
             else:
                 for entry in self.path.iterdir():
                     if entry.is_dir():
@@ -140,12 +136,11 @@ def claim_run_dir(cfg, resume: Path | None):
             if name:
                 raise ConfigError(_taken(path))
             continue
-        parents = tuple(d for d in path.parents if not d.exists())
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            made = make_dirs(path)
         except OSError as e:
             raise ConfigError(f"run.out_dir: cannot create {path} ({e.strerror or e})") from None
-        lock = RunDirLock(path, created=not any(path.iterdir()), parents=parents)
+        lock = RunDirLock(path, created=not any(path.iterdir()), made=made)
         try:
             lock.acquire()
         except RunDirBusy:  # a run in its first step: without a name, take the next one
