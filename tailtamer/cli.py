@@ -118,7 +118,7 @@ def cmd_generate(args) -> None:
     from tailtamer.atomic import atomic_write_json, atomic_write_text
     from tailtamer.device import resolve_device
     from tailtamer.model.io import load_pretrained
-    from tailtamer.rl.data import load_prompts
+    from tailtamer.rl.data import context_cut, load_prompts
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
     from tailtamer.rollout.speculator import make_speculator
@@ -142,11 +142,10 @@ def cmd_generate(args) -> None:
                     speculator=make_speculator(spec, model))
     labels = [f"{args.prompts}:{row['_row']}" for row in rows]
     completions, stats = engine.generate(prompts, params, labels)
-    context, longest = model.config.max_position_embeddings, max(map(len, prompts))
-    if longest + args.max_new_tokens > context:  # as train says it (after the run: an error stays one line)
-        print(f"--max-new-tokens {args.max_new_tokens}, but the model's context is {context} tokens and prompts take "
-              f"up to {longest}: a response that reaches the context ends there (finish_reason length)",
-              file=sys.stderr)
+    cut = context_cut(f"--max-new-tokens {args.max_new_tokens}", args.max_new_tokens,
+                      model.config.max_position_embeddings, max(map(len, prompts)), "with finish_reason length")
+    if cut:  # as train says it (after the run: an error stays one line)
+        print(cut, file=sys.stderr)
     if engine.proposer is not None and engine.proposer.notice:
         print(engine.proposer.notice, file=sys.stderr)
     lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,

@@ -127,6 +127,16 @@ def map_columns(row: dict, prompt_key: str | None, answer_key: str | None, where
     return out
 
 
+def context_cut(setting: str, max_new_tokens: int, context: int, longest: int, counted_as: str) -> str | None:
+    """What to say when the model's context will cut responses `setting` (the flag or field
+    giving `max_new_tokens`) asks for, after prompts of up to `longest` tokens, and how such a
+    response is `counted_as`; None if it will not."""
+    if longest + max_new_tokens <= context:
+        return None
+    return (f"{setting}, but the model's context is {context} tokens and prompts take up to {longest}: a response "
+            f"that reaches the context ends there, {counted_as}")
+
+
 def load_prompts(path: str | Path, tokenizer: Tokenizer) -> tuple[list[dict], list[list[int]]]:
     """(rows, token ids per row) for a prompts file."""
     rows = read_jsonl(path)

@@ -22,7 +22,7 @@ from tailtamer.model.drafter import load_drafter
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint
-from tailtamer.rl.data import PromptOrder, datasets, held_out_count, read_rows
+from tailtamer.rl.data import PromptOrder, context_cut, datasets, held_out_count, read_rows
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
 from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG
@@ -105,10 +105,10 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     check_tokenizer_fits(tokenizer, model_cfg, model_dir)
     context = model_cfg.max_position_embeddings
     train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, context), log)
-    longest = max(len(r["prompt_ids"]) for r in train_rows + eval_rows)
-    if longest + cfg.rollout.max_new_tokens > context:
-        log(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}, but the model's context is {context} tokens and "
-            f"prompts take up to {longest}: a response that reaches the context ends there, as truncated")
+    cut = context_cut(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", cfg.rollout.max_new_tokens, context,
+                      max(len(r["prompt_ids"]) for r in train_rows + eval_rows), "as truncated")
+    if cut:
+        log(cut)
     prompts = min(cfg.rollout.prompts_per_step, len(train_rows))
     if prompts < cfg.rollout.prompts_per_step:
         samples = prompts * cfg.rollout.group_size
