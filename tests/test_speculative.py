@@ -289,7 +289,7 @@ def test_a_compiled_chain_drafts_and_writes_what_the_eager_chain_does(target, tr
             proposer.catch_up(running)
             proposer.drafted[:3] = [c - k for c, k in zip((12, 9, 15), (1, 4, 2))]  # backlogs of 1, 4 and 2 pairs
             tree = proposer.propose(running, torch.tensor([12, 9, 15]), strategy)
-            out.append((tree.tokens, [proposer.cache.kv[0, r.slot, : r.cached + 2] for r in running]))
+            out.append((tree.tokens, [proposer.cache.kv[0, r.slot, :, : r.cached + 2] for r in running]))
     _check_compiled(proposer)
     assert proposer.chain.ready == {(4, 3)}  # 3 running, padded to 4
     (eager_tokens, eager_rows), (tokens, rows) = out
@@ -321,7 +321,7 @@ def test_siblings_share_their_prompts_drafter_rows_at_the_switch(target, trained
             running = [SimpleNamespace(slot=i, cached=c, prompt_index=p) for i, (c, p) in enumerate(zip(cached, prompts))]
             assert proposer.catch_up(running)
             assert proposer.drafted[:4] == [c - 1 for c in cached]
-            rows.append([proposer.cache.kv[:, r.slot, : r.cached - 1].clone() for r in running])
+            rows.append([proposer.cache.kv[:, r.slot, :, : r.cached - 1].clone() for r in running])
             widths.append(calls)
     # shared: slot 0 alone (9 pairs), then slot 1 from pair 4, slot 2 from pair 9 and slot 3
     assert widths == [[(1, 9), (3, 11)], [(4, 13)]]

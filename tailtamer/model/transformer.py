@@ -109,7 +109,7 @@ class Attention(nn.Module):
         else:
             cache, view = kv
             keys = view.update(cache, torch.cat((qk[:, :, nh:], qkv[:, :, nh + nkv:]), 2))
-            k, v = keys[:, :, :nkv].transpose(1, 2), keys[:, :, nkv:].transpose(1, 2)
+            k, v = keys[:, :nkv], keys[:, nkv:]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
         )
@@ -191,29 +191,32 @@ class CacheView:
         self.slots, self.span = slots, span
         first = slots.start or 0 if isinstance(slots, slice) else 0
         rows = torch.arange(first, first + index.shape[0], device=index.device) if isinstance(slots, slice) else slots
-        self.at = (rows[:, None], index)  # (slot, row) of each new token
+        self.rows, self.index = rows[:, None, None], index[:, :, None]  # (slot, ·, row) of each new token
 
     def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one
         indexed write (into the cache tensor itself: under torch.compile, a write through a
         reshaped view of it is copied back whole, which costs more than the step), and return
-        this batch's (B, span, 2·kv_heads, dim)."""
-        cache.index_put_(self.at, new)
+        this batch's (B, 2·kv_heads, span, dim)."""
+        heads = torch.arange(new.shape[2], device=new.device)
+        cache.index_put_((self.rows, heads, self.index), new)
         if isinstance(self.slots, slice):
-            return cache[self.slots, : self.span]
-        return cache[:, : self.span].index_select(0, self.slots)
+            return cache[self.slots, :, : self.span]
+        return cache[:, :, : self.span].index_select(0, self.slots)
 
 
 class KVCache:
-    """Static KV cache: per layer one (slots, max_len, 2·kv_heads, head_dim) tensor, keys then
-    values along the head axis, so a decode step writes both with one indexed copy.
+    """Static KV cache: per layer one (slots, 2·kv_heads, max_len, head_dim) tensor, keys then
+    values along the head axis, so a decode step writes both with one indexed copy. Heads come
+    before rows so that attention reads each head's keys as one contiguous block: CPU attention
+    over the row-major layout (slots, max_len, heads, dim) cost 1.5× as much at 512 slots.
 
     Rows are addressed by absolute cache index, so rejecting speculative tokens costs nothing:
     the next write to those indices overwrites them.
     """
 
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device=None, dtype=torch.float32):
-        shape = (cfg.num_hidden_layers, slots, max_len, 2 * cfg.num_key_value_heads, cfg.head_size)
+        shape = (cfg.num_hidden_layers, slots, 2 * cfg.num_key_value_heads, max_len, cfg.head_size)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
         self.slots, self.max_len = slots, max_len
 
@@ -224,7 +227,7 @@ class KVCache:
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` rows of a slot: to share a prefilled prompt between sibling
         samples, or to move a request into a lower slot and keep the batch contiguous."""
-        self.kv[:, dst, :length] = self.kv[:, src, :length]
+        self.kv[:, dst, :, :length] = self.kv[:, src, :, :length]
 
     def move_rows(self, moves: list[tuple[int, list[int], list[int]]]) -> None:
         """Move cache rows within slots, for (slot, source rows, destination rows) triples, in
@@ -234,7 +237,7 @@ class KVCache:
         slots = torch.tensor([s for s, src, _ in moves for _ in src], device=dev)
         src = torch.tensor([i for _, rows, _ in moves for i in rows], device=dev)
         dst = torch.tensor([i for _, _, rows in moves for i in rows], device=dev)
-        self.kv[:, slots, dst] = self.kv[:, slots, src]
+        self.kv[:, slots, :, dst] = self.kv[:, slots, :, src]
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
