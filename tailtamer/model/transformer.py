@@ -187,19 +187,19 @@ class CacheView:
     slice when the batch occupies consecutive slots, which needs no gather), new tokens at
     cache index `index` (B, q), keys and values read up to `span`."""
 
-    def __init__(self, slots: torch.Tensor | slice, index: torch.Tensor, span: int):
+    def __init__(self, slots: torch.Tensor | slice, index: torch.Tensor, span: int, heads: int):
         self.slots, self.span = slots, span
         first = slots.start or 0 if isinstance(slots, slice) else 0
         rows = torch.arange(first, first + index.shape[0], device=index.device) if isinstance(slots, slice) else slots
-        self.rows, self.index = rows[:, None, None], index[:, :, None]  # (slot, ·, row) of each new token
+        # (slot, head, row) of each new key or value, built once for every layer
+        self.at = (rows[:, None, None], torch.arange(heads, device=index.device), index[:, :, None])
 
     def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one
         indexed write (into the cache tensor itself: under torch.compile, a write through a
         reshaped view of it is copied back whole, which costs more than the step), and return
         this batch's (B, 2·kv_heads, span, dim)."""
-        heads = torch.arange(new.shape[2], device=new.device)
-        cache.index_put_((self.rows, heads, self.index), new)
+        cache.index_put_(self.at, new)
         if isinstance(self.slots, slice):
             return cache[self.slots, :, : self.span]
         return cache[:, :, : self.span].index_select(0, self.slots)
@@ -279,7 +279,7 @@ def decode_inputs(input_ids, cache: KVCache, slots, starts, positions=None, tree
         inside = (rel >= 0) & (rel < window)
         visible = (rel < 0) | (inside & torch.gather(tree_mask, 2, rel.clamp(0, window - 1).expand(B, q, span)))
     mask = torch.zeros(visible.shape, dtype=cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-    return positions, mask[:, None], CacheView(slots, index, span)
+    return positions, mask[:, None], CacheView(slots, index, span, cache.kv.shape[2])
 
 
 class Transformer(nn.Module):
