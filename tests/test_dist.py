@@ -192,6 +192,35 @@ def kill_worker_1():
     w.sum(torch.ones(1))  # worker 0 fails here: its peer is gone
 
 
+def average_drafters(weights):
+    """Each worker's module starts at its own values; returns every worker's values after
+    averaging with this worker's weight `weights[rank]`, and the frozen tensor's."""
+    w = Workers.from_env(30)
+    torch.manual_seed(w.rank)
+    module = torch.nn.Linear(3, 2)
+    module.bias.requires_grad_(False)  # frozen, as the drafter's shared embedding and head are
+    before = [p.tolist() for p in module.parameters()]
+    w.average_(module, weights[w.rank])
+    # plain lists: a tensor would travel to the launcher as a shared-memory handle
+    return w.gather(([p.tolist() for p in module.parameters()], before))
+
+
+def test_drafters_are_averaged_by_the_steps_each_worker_trained():
+    # θ ← Σ_r w_r θ_r / Σ_r w_r on every worker; frozen tensors keep their own values
+    after, before = zip(*spawn(2, average_drafters, ([1.0, 3.0],), "runs/x"))
+    mine, theirs = torch.tensor(before[0][0]), torch.tensor(before[1][0])
+    assert not torch.allclose(mine, theirs)
+    expected = (1.0 * mine + 3.0 * theirs) / 4.0
+    for rank in (0, 1):
+        torch.testing.assert_close(torch.tensor(after[rank][0]), expected, rtol=1e-6, atol=1e-7)
+        assert after[rank][1] == before[rank][1]
+    # a worker that trained nothing adds nothing; if none trained, nothing changes
+    after, before = zip(*spawn(2, average_drafters, ([0.0, 2.0],), "runs/x"))
+    assert after[0][0] == after[1][0] == before[1][0]
+    after, before = zip(*spawn(2, average_drafters, ([0.0, 0.0],), "runs/x"))
+    assert all(after[rank][0] == before[rank][0] for rank in (0, 1))
+
+
 def test_the_dead_worker_is_named_not_the_peer_that_noticed():
     for _ in range(3):  # whichever the launcher sees first, the dead one is reported
         with pytest.raises(WorkerError, match=r"worker 1 died \(killed by SIGKILL\).*no checkpoint was written yet"):
