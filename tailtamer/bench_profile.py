@@ -69,6 +69,8 @@ def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int =
                 "tokens_per_step": round(statistics.median(r["tokens_per_step"] for r in results), 3),
                 "accept_len": round(statistics.median(r["accept_len"] for r in results), 3),
                 "compile_s": round(setup_s[arm], 1),
+                # says whether the chains compiled (a failure runs them eager, timed as eager)
+                "notice": engines[arm].proposer.notice if engines[arm].proposer is not None else None,
                 "phases_ms": {k: round(statistics.median(r["phases"].get(k, 0.0) for r in results), 3) for k in names},
             })
     return rows

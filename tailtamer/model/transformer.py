@@ -218,7 +218,9 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device=None, dtype=torch.float32):
         shape = (cfg.num_hidden_layers, slots, 2 * cfg.num_key_value_heads, max_len, cfg.head_size)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self.slots, self.max_len = slots, max_len
+        # as plain ints: a compiled drafter chain that read them off `kv` would take the whole
+        # tensor in as an input aliasing the one layer it writes, which Inductor cannot compile
+        self.slots, self.heads, self.max_len = slots, shape[2], max_len
 
     @property
     def dtype(self) -> torch.dtype:
@@ -279,7 +281,7 @@ def decode_inputs(input_ids, cache: KVCache, slots, starts, positions=None, tree
         inside = (rel >= 0) & (rel < window)
         visible = (rel < 0) | (inside & torch.gather(tree_mask, 2, rel.clamp(0, window - 1).expand(B, q, span)))
     mask = torch.zeros(visible.shape, dtype=cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-    return positions, mask[:, None], CacheView(slots, index, span, cache.kv.shape[2])
+    return positions, mask[:, None], CacheView(slots, index, span, cache.heads)
 
 
 class Transformer(nn.Module):
