@@ -20,6 +20,10 @@ from pathlib import Path
 
 ENV = "TAILTAMER_PACE"
 POLL_S = 0.02  # a turn starts within this of the last one ending; polling costs ~0.3% of a core
+# The first step waits this long after the last arm is set up: without it, whatever the set-ups
+# leave behind slowed the first steps (the second arm's by 0.3-0.5 s of a 0.5-0.9 s step on the
+# 2-core VM, 2026-12-05; with a 3 s pause both arms' first steps ran like their later ones).
+SETTLE_S = 3.0
 
 
 def turn_of(step: int, arm: int, arms: int) -> int:
@@ -54,10 +58,13 @@ class Pace:
             (self.dir / f"ready-{self.arm}").touch()
 
     def wait(self, step: int) -> None:
-        """Block until every arm is set up and it is this arm's turn to run `step`."""
+        """Block until every arm is set up (and has settled, before the first step) and it is
+        this arm's turn to run `step`."""
         if self.dir is None:
             return
         self._wait(lambda: all((self.dir / f"ready-{a}").exists() for a in range(self.arms)))
+        if step == 0:
+            time.sleep(SETTLE_S)
         self._wait(lambda: self._turn() == turn_of(step, self.arm, self.arms))
 
     def done(self, step: int) -> None:

@@ -3,6 +3,7 @@ step, an ordinary run never waits, and a failing arm stops the others with its e
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -23,16 +24,22 @@ def test_an_unpaced_run_never_waits(monkeypatch):
 
 def test_arms_take_turns_step_by_step(tmp_path, monkeypatch):
     monkeypatch.setattr(pace_module, "POLL_S", 0.001)
+    monkeypatch.setattr(pace_module, "SETTLE_S", 0.3)
     (tmp_path / "turn").write_text("0")
     arms, steps, order, lock = 3, 4, [], threading.Lock()
+    started, ready_at = {}, []
 
     def arm(a):
         pace = Pace(f"{tmp_path}:{a}:{arms}")
+        time.sleep(0.05 * a)  # set-ups end at different times
+        with lock:
+            ready_at.append(time.monotonic())
         pace.ready()
         for step in range(steps):
             pace.wait(step)
             with lock:
                 order.append((step, a))
+                started[step, a] = time.monotonic()
             pace.done(step)
         pace.finish(steps)
         with lock:
@@ -46,6 +53,9 @@ def test_arms_take_turns_step_by_step(tmp_path, monkeypatch):
     assert not any(t.is_alive() for t in threads), order
     assert [turn_of(s, a, arms) for s, a in order[: arms * steps]] == list(range(arms * steps))
     assert sorted(order[arms * steps:]) == [("finished", a) for a in range(arms)]  # only after every step
+    # the first step settles after the last set-up; later turns follow at once
+    assert started[0, 0] - max(ready_at) >= 0.3
+    assert started[1, 0] - started[0, arms - 1] < 0.2
 
 
 def test_paced_train_runs_alternate_and_a_failing_arm_stops_the_other(toy, tmp_path, monkeypatch):
