@@ -150,7 +150,7 @@ def drafter_tensors(cfg: ModelConfig) -> int:
 
 
 def kv_cache_bytes(cfg: ModelConfig, slots: int, cache_len: int, cache_bytes: int, layers: int | None = None) -> int:
-    """2·L·slots·cache_len·kv_heads·head_dim·bytes: `KVCache`'s (L, slots, len, 2·kv, dim) tensor."""
+    """2·L·slots·cache_len·kv_heads·head_dim·bytes: `KVCache`'s (L, slots, 2·kv, len, dim) tensor."""
     layers = cfg.num_hidden_layers if layers is None else layers
     return 2 * layers * slots * cache_len * cfg.num_key_value_heads * cfg.head_size * cache_bytes
 

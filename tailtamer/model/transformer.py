@@ -183,7 +183,7 @@ def join_fused(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 
 class CacheView:
-    """Where one decode call writes and reads: cache rows `slots` (a tensor of slot ids, or a
+    """Where one decode call writes and reads: cache slots `slots` (a tensor of slot ids, or a
     slice when the batch occupies consecutive slots, which needs no gather), new tokens at
     cache index `index` (B, q), keys and values read up to `span`."""
 
@@ -208,8 +208,9 @@ class CacheView:
 class KVCache:
     """Static KV cache: per layer one (slots, 2·kv_heads, max_len, head_dim) tensor, keys then
     values along the head axis, so a decode step writes both with one indexed copy. Heads come
-    before rows so that attention reads each head's keys as one contiguous block: CPU attention
-    over the row-major layout (slots, max_len, heads, dim) cost 1.5× as much at 512 slots.
+    before rows so that attention reads each head's keys as one contiguous block: with rows
+    first, (slots, max_len, heads, dim), a plain decode step at 512 running cost 87 ms against
+    59, attention being 79% of it.
 
     Rows are addressed by absolute cache index, so rejecting speculative tokens costs nothing:
     the next write to those indices overwrites them.
@@ -218,13 +219,10 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device=None, dtype=torch.float32):
         shape = (cfg.num_hidden_layers, slots, 2 * cfg.num_key_value_heads, max_len, cfg.head_size)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        # as plain ints: a compiled drafter chain that read them off `kv` would take the whole
-        # tensor in as an input aliasing the one layer it writes, which Inductor cannot compile
-        self.slots, self.heads, self.max_len = slots, shape[2], max_len
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.kv.dtype
+        # as plain values: a compiled drafter chain that read them off `kv` would take the whole
+        # tensor in as an input aliasing the one layer it writes, which Inductor cannot compile.
+        # `heads` counts keys and values: 2·kv_heads.
+        self.slots, self.heads, self.max_len, self.dtype = slots, shape[2], max_len, dtype
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` rows of a slot: to share a prefilled prompt between sibling
