@@ -182,14 +182,17 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
                   max_new_tokens: int = 512, plot: str | None = "runs/bench-rollout.png",
                   drafter_dir: str | None = None) -> dict:
     """A long-tail GRPO-style rollout (prompts × n samples at T=1, all admitted at once) run as
-    (a) plain decoding, (b) SD on every step with a fixed strategy, (c) adaptive: plain while more
-    than spec.bs_threshold requests run, then SD with the BEG-MAB tuner, (d) the same with the
-    draft chains compiled (`spec.compile`; compile time is not in its seconds). Same seeds, so
-    all emit the same tokens; runs are interleaved and timed in one process."""
+    (a) plain decoding, (b) SD on every step with a fixed strategy, (c) adaptive, as the default
+    config decodes on this device: plain while more than spec.bs_threshold requests run, then SD
+    with the BEG-MAB tuner, (d) the same with the draft chains compiled (`spec.compile`; compile
+    time is not in its seconds), (e) adaptive with a fresh bandit every run. A training run keeps
+    its engine, and so its bandit, from step to step: (c) and (d) keep theirs across the runs,
+    after one untimed rollout of other prompts. Same seeds, so all emit the same tokens; runs are
+    interleaved and timed in one process."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.eagle import EagleProposer
-    from tailtamer.rollout.speculator import SpecConfig, Speculator
+    from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig, Speculator
     from tailtamer.tasks.arithmetic import ArithmeticTask, reward
 
     path = _default_model_dir(model_dir)
@@ -200,30 +203,39 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     params = SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=2)
     config = EngineConfig(max_batch_size=prompts * n)
     fixed, adaptive = SpecConfig(mode="on", drafter="x"), SpecConfig(mode="adaptive", drafter="x")
+    threshold = adaptive.threshold(model.device.type)
+
+    def adaptive_engine(compiled: bool = False) -> Engine:
+        return Engine(model, tokenizer, config, speculator=Speculator(
+            EagleProposer(drafter, compiled=compiled), adaptive.make_tuner(), threshold))
+
     arms = {
-        "plain": lambda: Engine(model, tokenizer, config),
-        "sd_fixed_" + fixed.strategy: lambda: Engine(model, tokenizer, config, speculator=Speculator(
+        "plain": Engine(model, tokenizer, config),
+        "sd_fixed_" + fixed.strategy: Engine(model, tokenizer, config, speculator=Speculator(
             EagleProposer(drafter), fixed.make_tuner())),
-        "adaptive": lambda: Engine(model, tokenizer, config, speculator=Speculator(
-            EagleProposer(drafter), adaptive.make_tuner(), adaptive.bs_threshold)),
-        "adaptive_compiled": lambda: Engine(model, tokenizer, config, speculator=Speculator(
-            EagleProposer(drafter, compiled=True), adaptive.make_tuner(), adaptive.bs_threshold)),
+        "adaptive": adaptive_engine(),
+        "adaptive_compiled": adaptive_engine(compiled=True),
+        "adaptive_fresh_bandit": adaptive_engine,
     }
-    Engine(model, tokenizer, config).generate(ids[:2], params)  # warm-up
+    others = [tokenizer.encode(p["prompt"]) for p in ArithmeticTask().dataset(prompts, seed=31338)]
+    for engine in arms.values():  # the warm-up: what a training run's first step leaves behind
+        if isinstance(engine, Engine):
+            engine.generate(others, SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=3))
     seconds: dict[str, list[float]] = {k: [] for k in arms}
     results = {}
     for _ in range(repeats):
-        for name, make in arms.items():
-            engine = make()
+        for name, engine in arms.items():
+            engine = engine if isinstance(engine, Engine) else engine()
             completions, stats = engine.generate(ids, params)
             seconds[name].append(stats.seconds)
             results[name] = (completions, stats, engine.tuner.summary() if engine.tuner else None)
     plain_completions, plain_stats, _ = results["plain"]
-    threshold = adaptive.bs_threshold
+    # the tail: requests a GPU's default would speculate on (every step on a CPU)
+    tail = GPU_BS_THRESHOLD if threshold is None else threshold
     steps = plain_stats.timeline
     durations = [t1 - t0 for t0, t1 in zip([0.0] + [t for t, _, _ in steps[:-1]], [t for t, _, _ in steps])]
-    tail_time = sum(d for d, (_, running, _) in zip(durations, steps) if running <= threshold)
-    report = {"model": str(path), "requests": prompts * n, "bs_threshold": threshold,
+    tail_time = sum(d for d, (_, running, _) in zip(durations, steps) if running <= tail)
+    report = {"model": str(path), "requests": prompts * n, "bs_threshold": threshold, "tail_running": tail,
               "plain_tail_share_of_decode_time": round(tail_time / max(1e-9, sum(durations)), 3),
               "arms": {}}
     base = statistics.median(seconds["plain"])
@@ -232,6 +244,7 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
         report["arms"][name] = {
             "seconds": round(statistics.median(seconds[name]), 3),
             "speedup_vs_plain": round(base / statistics.median(seconds[name]), 3),
+            "speedup_each_run": [round(base / t, 3) for t in seconds[name]],
             "plain_decode_s": round(s["plain_seconds"], 3), "sd_decode_s": round(s["sd_seconds"], 3),
             "accept_len_mean": round(s["accept_len_mean"], 3), "compile_s": round(s["setup_s"], 1),
             "accept_len_by_strategy": {k: round(v["accept_len"], 3) for k, v in s["by_strategy"].items()},
@@ -243,8 +256,8 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     if plot:
         from tailtamer.plots import plot_rollout_timeline
 
-        plot_rollout_timeline(results["adaptive"][1].timeline, plot,
-                              f"adaptive rollout: {prompts}x{n} samples, SD at <= {threshold} running")
+        when = "at every batch size (the bandit's choice)" if threshold is None else f"at <= {threshold} running"
+        plot_rollout_timeline(results["adaptive"][1].timeline, plot, f"adaptive rollout: {prompts}x{n} samples, SD {when}")
         report["plot"] = plot
     return report
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from tailtamer.atomic import make_dirs, remove_empty_dirs
 from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.stopping import Interrupted
-from tailtamer.rollout.speculator import SpecConfig
+from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig
 
 # Which benchmarks each `bench` flag is for
 BENCH_FLAGS = {"--model": ("decode", "sd", "rollout", "profile"), "--preset": ("decode",),
@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strategy", default="4_2_8", help="DEPTH_TOPK_VERIFY draft tree")
     g.add_argument("--drafter", help="EAGLE drafter directory, or 'ngram'")
     g.add_argument("--bs-threshold", type=int, default=SpecConfig().bs_threshold,
-                   help="adaptive: speculate once at most this many requests are running")
+                   help="adaptive: speculate once at most this many requests are running (default: "
+                        f"{GPU_BS_THRESHOLD} on a GPU, every batch size on a CPU)")
     g.add_argument("--tuner", default="beg", choices=["beg", "fixed"], help="adaptive: strategy choice")
     g.add_argument("--compile", action="store_true", help="EAGLE: compile the draft chains (spec.compile)")
 

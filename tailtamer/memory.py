@@ -339,7 +339,8 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
         strategies = _strategies(spec)
         verify = max(s.verify for s in strategies)
         draft_rows = max((s.depth - 1) * s.topk for s in strategies)
-        sd_batch = slots if spec.mode == "on" else min(slots, spec.bs_threshold)
+        threshold = spec.threshold(device_type) if spec.mode == "adaptive" else None
+        sd_batch = slots if threshold is None else min(slots, threshold)
         decode_rows = max(slots, sd_batch * verify)
     eagle = speculates and spec.drafter not in (None, "ngram")
     trains = eagle and spot.train and (world > 1 or spot.single_worker == "window")

@@ -186,6 +186,20 @@ def test_estimate_for_with_speculative_decoding_matches_the_engine_and_the_eagle
     assert trains - frozen == 2 * _nbytes(params) + _adamw_state(params) + (cfg.spot.buffer_mb << 20)
 
 
+def test_estimate_for_verifies_every_slot_where_sd_may_run_at_any_batch_size():
+    """spec.bs_threshold unset: the engine may verify a tree for every slot on a CPU, for at most
+    GPU_BS_THRESHOLD requests on a GPU; given, it caps the verified rows on both."""
+    from tailtamer.rollout.speculator import GPU_BS_THRESHOLD
+
+    model_cfg = tiny_config()
+    sizes = ("rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_batch_size=128",
+             "spec.mode=adaptive", "spec.drafter=ngram", "spec.strategies=[4_1_5]", "spec.bucket_thresholds=[1]")
+    cpu, gpu = (estimate_for(_train_config(*sizes), model_cfg, device_type=d)["decode"] for d in ("cpu", "cuda"))
+    capped = estimate_for(_train_config(*sizes, "spec.bs_threshold=16"), model_cfg, device_type="cpu")["decode"]
+    # rows: every slot's 5 tokens; GPU_BS_THRESHOLD requests' 5; the 128 slots' plain step (> 16 x 5)
+    assert cpu / (128 * 5) == gpu / (GPU_BS_THRESHOLD * 5) == capped / 128 > 0
+
+
 def _without(cfg, **missing):
     """`cfg` without some sections' fields: a TrainConfig from before run.shard, run.dtype and
     rl.grad_checkpointing existed."""

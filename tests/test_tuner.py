@@ -8,7 +8,7 @@ import torch
 
 from tailtamer.errors import ConfigError
 from tailtamer.rollout.speculative import Strategy
-from tailtamer.rollout.speculator import SpecConfig, Speculator
+from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig, Speculator, make_speculator
 from tailtamer.rollout.tuner import (NO_SD, BEGTuner, FixedTuner, bucket_of, epsilon_greedy, group_by_verify,
                                      median_reward)
 
@@ -150,6 +150,31 @@ def test_adaptive_engine_speculates_only_in_the_tail_and_is_lossless():
     assert set(summary["by_strategy"]) <= {"3_2_6", "2_3_6", "2_1_3", "1_2_3"}
     pulls = sum(sum(b["pulls"].values()) for b in tuner.summary()["buckets"])
     assert pulls == sum(1 for running, _ in arms if running <= 10)
+
+
+def test_the_long_tail_switch_is_unset_on_a_cpu_and_64_on_a_gpu_by_default():
+    """Unset, spec.bs_threshold means every batch size on a CPU (where SD pays at every batch
+    size: `bench rollout`) and GPU_BS_THRESHOLD elsewhere; a value given is kept everywhere."""
+    from conftest import random_model, tiny_config
+    from tailtamer.rollout.engine import Engine, EngineConfig
+    from tailtamer.rollout.sampling import SamplingParams
+
+    unset, given = SpecConfig(mode="adaptive", drafter="ngram"), SpecConfig(mode="adaptive", drafter="ngram", bs_threshold=7)
+    assert (unset.threshold("cpu"), unset.threshold("cuda"), unset.threshold("mps")) == (None, GPU_BS_THRESHOLD, GPU_BS_THRESHOLD)
+    assert given.threshold("cpu") == given.threshold("cuda") == 7
+    assert SpecConfig(mode="adaptive", drafter="ngram", bs_threshold=0).threshold("cpu") == 0  # never: kept
+    model = random_model(tiny_config()).double()
+    assert make_speculator(unset, model).bs_threshold is None
+    assert make_speculator(given, model).bs_threshold == 7
+    assert make_speculator(SpecConfig(mode="on", drafter="ngram"), model).bs_threshold is None
+    # unset on a CPU, the bandit is asked from the first step at full batch, and SD stays lossless
+    prompts = [[5 + i, 9, 7 + i, 3] for i in range(5)]
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=12, seed=4)
+    plain, _ = Engine(model, config=EngineConfig(max_batch_size=10), eos_ids=()).generate(prompts, params)
+    engine = Engine(model, config=EngineConfig(max_batch_size=10), eos_ids=(), speculator=make_speculator(unset, model))
+    adaptive, stats = engine.generate(prompts, params)
+    assert [c.token_ids for c in adaptive] == [c.token_ids for c in plain]
+    assert stats.timeline[0][1] == 10 and stats.timeline[0][2] != "plain"  # an arm never pulled comes first
 
 
 def test_timeline_plot(tmp_path):

@@ -19,6 +19,10 @@ from tailtamer.rollout.tuner import BEGTuner, FixedTuner
 # batch 2 to 64, trees and deep chains pay most at batch 1 (README).
 DEFAULT_MAB_STRATEGIES = ("4_2_8", "7_1_8", "4_1_5", "2_2_5", "2_1_3", "1_2_3")
 DEFAULT_BUCKET_THRESHOLDS = (1, 3, 65)
+# spec.bs_threshold when unset, on a GPU: there a large batch's verify forward is compute-bound,
+# so SD pays only once few requests run (TLT switches SD on below 32). On a CPU the default is
+# none: on the built-in base model SD pays at every batch size up to 512 (`bench rollout`).
+GPU_BS_THRESHOLD = 64
 
 
 @dataclass(frozen=True)
@@ -28,8 +32,10 @@ class SpecConfig:
     drafter: str | None = f(None, "an EAGLE drafter directory, or ngram (model-free); in train, builtin (the "
                                   "built-in base model's warm-up drafter)")
     acceptance: str = f("exact", "the acceptance rule; only the exact (lossless) one exists")
-    bs_threshold: int = f(64, "adaptive: speculate once at most this many requests run (0 = never: the "
-                              "drafter is attached and trained, for measuring what it costs)")
+    bs_threshold: int | None = f(None, "adaptive: speculate once at most this many requests run (0 = never: the "
+                                       "drafter is attached and trained, for measuring what it costs); unset: "
+                                       f"{GPU_BS_THRESHOLD} on a GPU, every batch size on a CPU (the bandit's "
+                                       "'no SD' arm decides)")
     tuner: str = f("beg", "adaptive: beg (bucketed epsilon-greedy bandit, TLT §2.3) or fixed")
     strategies: tuple[str, ...] = f(DEFAULT_MAB_STRATEGIES, "beg: the arms (plus 'no SD' in every bucket)")
     bucket_thresholds: tuple[int, ...] = f(DEFAULT_BUCKET_THRESHOLDS, "beg: one per tokens-to-verify group")
@@ -55,10 +61,17 @@ class SpecConfig:
             raise ConfigError(f"spec.mode {self.mode} needs a drafter (spec.drafter): an EAGLE drafter directory or 'ngram'")
         if self.tuner not in ("beg", "fixed"):
             raise ConfigError(f"spec.tuner must be beg or fixed, got {self.tuner!r}")
-        at_least(self, "spec", 0, "bs_threshold")
+        if self.bs_threshold is not None:
+            at_least(self, "spec", 0, "bs_threshold")
         if self.compile and self.drafter == "ngram":
             raise ConfigError("spec.compile compiles an EAGLE drafter's draft chains; the ngram drafter has none")
         self._bandit()  # its settings are checked in every mode: a wrong one is a mistake even where unused
+
+    def threshold(self, device_type: str) -> int | None:
+        """The long-tail switch for a target on `device_type` (None: every batch size)."""
+        if self.bs_threshold is not None:
+            return self.bs_threshold
+        return None if device_type == "cpu" else GPU_BS_THRESHOLD
 
     def make_tuner(self):
         if self.mode == "on" or self.tuner == "fixed":
@@ -76,7 +89,7 @@ class SpecConfig:
 @dataclass
 class Speculator:
     """What the engine needs to speculate: a proposer, a tuner that picks a strategy (or plain
-    decoding) per step, and the long-tail switch (None: speculate at every step)."""
+    decoding) per step, and the long-tail switch (None: the tuner picks at every step)."""
 
     proposer: Proposer
     tuner: FixedTuner | BEGTuner
@@ -100,4 +113,4 @@ def make_speculator(spec: SpecConfig, target) -> Speculator | None:
         proposer = NgramProposer()
     else:
         proposer = EagleProposer(load_drafter(spec.drafter, target), compiled=spec.compile)
-    return Speculator(proposer, spec.make_tuner(), spec.bs_threshold if spec.mode == "adaptive" else None)
+    return Speculator(proposer, spec.make_tuner(), spec.threshold(target.device.type) if spec.mode == "adaptive" else None)
