@@ -188,7 +188,7 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     time is not in its seconds), (e) adaptive with a fresh bandit every run. A training run keeps
     its engine, and so its bandit, from step to step: (c) and (d) keep theirs across the runs,
     after one untimed rollout of other prompts. Same seeds, so all emit the same tokens; runs are
-    interleaved and timed in one process."""
+    interleaved, in an order that rotates from run to run, and timed in one process."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.eagle import EagleProposer
@@ -223,9 +223,10 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             engine.generate(others, SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=3))
     seconds: dict[str, list[float]] = {k: [] for k in arms}
     results = {}
-    for _ in range(repeats):
-        for name, engine in arms.items():
-            engine = engine if isinstance(engine, Engine) else engine()
+    names = list(arms)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # each arm in every turn
+            engine = arms[name] if isinstance(arms[name], Engine) else arms[name]()
             completions, stats = engine.generate(ids, params)
             seconds[name].append(stats.seconds)
             results[name] = (completions, stats, engine.tuner.summary() if engine.tuner else None)
