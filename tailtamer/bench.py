@@ -218,9 +218,11 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
         "adaptive_fresh_bandit": adaptive_engine,
     }
     others = [tokenizer.encode(p["prompt"]) for p in ArithmeticTask().dataset(prompts, seed=31338)]
-    for engine in arms.values():  # the warm-up: what a training run's first step leaves behind
+    warm_up_s = {}  # compiling happens here, in the warm-up: what a training run's first step leaves behind
+    for name, engine in arms.items():
         if isinstance(engine, Engine):
-            engine.generate(others, SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=3))
+            warm_up_s[name] = engine.generate(others, SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens,
+                                                                     seed=3))[1].setup_s
     seconds: dict[str, list[float]] = {k: [] for k in arms}
     results = {}
     names = list(arms)
@@ -231,7 +233,8 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             seconds[name].append(stats.seconds)
             results[name] = (completions, stats, engine.tuner.summary() if engine.tuner else None)
     plain_completions, plain_stats, _ = results["plain"]
-    # the tail: requests a GPU's default would speculate on (every step on a CPU)
+    # the tail: as many running requests as a GPU's default would speculate on (on a CPU the
+    # adaptive arms may speculate at every step)
     tail = GPU_BS_THRESHOLD if threshold is None else threshold
     steps = plain_stats.timeline
     durations = [t1 - t0 for t0, t1 in zip([0.0] + [t for t, _, _ in steps[:-1]], [t for t, _, _ in steps])]
@@ -247,12 +250,14 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             "speedup_vs_plain": round(base / statistics.median(seconds[name]), 3),
             "speedup_each_run": [round(base / t, 3) for t in seconds[name]],
             "plain_decode_s": round(s["plain_seconds"], 3), "sd_decode_s": round(s["sd_seconds"], 3),
-            "accept_len_mean": round(s["accept_len_mean"], 3), "compile_s": round(s["setup_s"], 1),
+            "accept_len_mean": round(s["accept_len_mean"], 3),
+            "compile_s": round(s["setup_s"] + warm_up_s.get(name, 0.0), 1),
             "accept_len_by_strategy": {k: round(v["accept_len"], 3) for k, v in s["by_strategy"].items()},
             "accuracy": sum(reward(c.text, problems[c.prompt_index]["answer"]) for c in completions) / len(completions),
             "identical_to_plain": sum(a.token_ids == b.token_ids for a, b in zip(plain_completions, completions))
             / len(completions),
-            **({"tuner": tuner} if tuner else {}),
+            # a kept engine's bandit: its pulls summed over the warm-up and every run
+            **({"tuner_all_runs" if name in warm_up_s else "tuner": tuner} if tuner else {}),
         }
     if plot:
         from tailtamer.plots import plot_rollout_timeline

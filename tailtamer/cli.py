@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", help="EAGLE drafter directory, or 'ngram'")
     g.add_argument("--bs-threshold", type=int, default=SpecConfig().bs_threshold,
                    help="adaptive: speculate once at most this many requests are running (default: "
-                        f"{GPU_BS_THRESHOLD} on a GPU, every batch size on a CPU)")
+                        f"{GPU_BS_THRESHOLD} on a GPU or with --tuner fixed, every batch size on a CPU)")
     g.add_argument("--tuner", default="beg", choices=["beg", "fixed"], help="adaptive: strategy choice")
     g.add_argument("--compile", action="store_true", help="EAGLE: compile the draft chains (spec.compile)")
 

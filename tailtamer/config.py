@@ -258,6 +258,8 @@ def _coerce(value: Any, kind, where: str):
         options = [k for k in typing.get_args(kind) if k is not type(None)]
         if value is None:
             return None
+        if options[0] is not str and value in ("None", "none"):  # Python's spelling of YAML's null
+            raise ConfigError(f"{where}: {value!r} is a string; write null (or nothing after =) to leave it unset")
         return _coerce(value, options[0], where)
     if origin is tuple:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -394,5 +396,6 @@ def config_help(cfg=None, where: str = "") -> list[str]:
         if is_dataclass(value):
             lines += config_help(value, f"{where}{fl.name}.")
         else:
-            lines.append(f"{where}{fl.name} = {value!r}    {fl.metadata.get('help', '')}")
+            shown = "null" if value is None else repr(value)  # as a config file or key=value writes it
+            lines.append(f"{where}{fl.name} = {shown}    {fl.metadata.get('help', '')}")
     return lines

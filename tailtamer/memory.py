@@ -339,9 +339,7 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
         strategies = _strategies(spec)
         verify = max(s.verify for s in strategies)
         draft_rows = max((s.depth - 1) * s.topk for s in strategies)
-        threshold = spec.threshold(device_type) if spec.mode == "adaptive" else None
-        sd_batch = slots if threshold is None else min(slots, threshold)
-        decode_rows = max(slots, sd_batch * verify)
+        decode_rows = max(slots, spec.most_verified(slots, device_type))
     eagle = speculates and spec.drafter not in (None, "ngram")
     trains = eagle and spot.train and (world > 1 or spot.single_worker == "window")
     return estimate(

@@ -114,6 +114,15 @@ def test_every_field_has_help():
     assert any(line.startswith("rl.lr = 0.0001") for line in lines)
     assert "spec.mode = 'adaptive'" in "\n".join(lines)  # the default job's, not SpecConfig()'s
     assert all(line.split("    ", 1)[1].strip() for line in lines if not line.startswith("spec."))
+    assert any(line.startswith("spec.bs_threshold = null ") for line in lines)  # what a config would write
+
+
+def test_an_optional_number_is_unset_with_null_and_none_is_named_as_the_mistake():
+    assert load_train_config(None, ["spec.bs_threshold=null"]).spec.bs_threshold is None
+    assert load_train_config(None, ["spec.bs_threshold="]).spec.bs_threshold is None
+    assert load_train_config(None, ["spec.bs_threshold=12"]).spec.bs_threshold == 12
+    with pytest.raises(ConfigError, match=r"spec.bs_threshold: 'None' is a string; write null"):
+        load_train_config(None, ["spec.bs_threshold=None"])
 
 
 def test_a_single_reward_reads_as_a_list_of_one():

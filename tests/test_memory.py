@@ -23,7 +23,7 @@ from tailtamer.model.transformer import KVCache
 from tailtamer.rollout.eagle import EagleProposer
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
-from tailtamer.rollout.speculator import Speculator, make_speculator
+from tailtamer.rollout.speculator import SpecConfig, Speculator, make_speculator
 from conftest import random_model, tiny_config
 
 VARIANTS = {
@@ -198,6 +198,21 @@ def test_estimate_for_verifies_every_slot_where_sd_may_run_at_any_batch_size():
     capped = estimate_for(_train_config(*sizes, "spec.bs_threshold=16"), model_cfg, device_type="cpu")["decode"]
     # rows: every slot's 5 tokens; GPU_BS_THRESHOLD requests' 5; the 128 slots' plain step (> 16 x 5)
     assert cpu / (128 * 5) == gpu / (GPU_BS_THRESHOLD * 5) == capped / 128 > 0
+
+
+def test_the_bandits_verified_rows_follow_its_buckets():
+    """With the default strategies (N = 8, 5, 3) and buckets (1-2, 3-64, 65+), 128 requests
+    verify at most 3 tokens each, 64 of them 5, 2 of them 8: 384 rows on a CPU, where SD may run
+    at any batch size, 320 on a GPU (at most 64 requests speculate); not 128 x 8."""
+    spec = SpecConfig(mode="adaptive", drafter="ngram")
+    assert (spec.most_verified(128, "cpu"), spec.most_verified(128, "cuda")) == (384, 320)
+    assert spec.most_verified(2, "cpu") == 16 and spec.most_verified(40, "cpu") == 200
+    assert SpecConfig(mode="on", drafter="ngram", strategy="3_2_6").most_verified(128, "cpu") == 128 * 6
+    model_cfg = tiny_config()
+    sizes = ("rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_batch_size=128",
+             "spec.mode=adaptive", "spec.drafter=ngram")
+    cpu, gpu = (estimate_for(_train_config(*sizes), model_cfg, device_type=d)["decode"] for d in ("cpu", "cuda"))
+    assert cpu / 384 == gpu / 320 > 0
 
 
 def _without(cfg, **missing):

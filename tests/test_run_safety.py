@@ -309,7 +309,8 @@ def _cli_train(args, cwd):
 def _signal_after_two_steps(proc, run, send) -> str:
     """`send` a signal once the run in `proc` has logged two steps; its stderr once it ends."""
     deadline = time.time() + 120
-    while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2):
+    # complete lines only: the trainer may be halfway through appending the next one
+    while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
         time.sleep(0.02)
     send()

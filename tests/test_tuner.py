@@ -163,18 +163,22 @@ def test_the_long_tail_switch_is_unset_on_a_cpu_and_64_on_a_gpu_by_default():
     assert (unset.threshold("cpu"), unset.threshold("cuda"), unset.threshold("mps")) == (None, GPU_BS_THRESHOLD, GPU_BS_THRESHOLD)
     assert given.threshold("cpu") == given.threshold("cuda") == 7
     assert SpecConfig(mode="adaptive", drafter="ngram", bs_threshold=0).threshold("cpu") == 0  # never: kept
+    # a fixed strategy has no "no SD" arm to fall back on: it keeps the switch
+    assert SpecConfig(mode="adaptive", drafter="ngram", tuner="fixed").threshold("cpu") == GPU_BS_THRESHOLD
     model = random_model(tiny_config()).double()
     assert make_speculator(unset, model).bs_threshold is None
     assert make_speculator(given, model).bs_threshold == 7
     assert make_speculator(SpecConfig(mode="on", drafter="ngram"), model).bs_threshold is None
-    # unset on a CPU, the bandit is asked from the first step at full batch, and SD stays lossless
-    prompts = [[5 + i, 9, 7 + i, 3] for i in range(5)]
-    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=12, seed=4)
-    plain, _ = Engine(model, config=EngineConfig(max_batch_size=10), eos_ids=()).generate(prompts, params)
-    engine = Engine(model, config=EngineConfig(max_batch_size=10), eos_ids=(), speculator=make_speculator(unset, model))
+    # unset on a CPU, the bandit is asked from the first step, above GPU_BS_THRESHOLD running, and
+    # SD stays lossless
+    prompts = [[5 + i % 50, 9, 7 + i % 40, 3] for i in range(GPU_BS_THRESHOLD // 2 + 1)]
+    params, config = SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=4), EngineConfig(max_batch_size=512)
+    plain, _ = Engine(model, config=config, eos_ids=()).generate(prompts, params)
+    engine = Engine(model, config=config, eos_ids=(), speculator=make_speculator(unset, model))
     adaptive, stats = engine.generate(prompts, params)
     assert [c.token_ids for c in adaptive] == [c.token_ids for c in plain]
-    assert stats.timeline[0][1] == 10 and stats.timeline[0][2] != "plain"  # an arm never pulled comes first
+    running, arm = stats.timeline[0][1:]
+    assert running == 2 * len(prompts) > GPU_BS_THRESHOLD and arm != "plain"  # an arm never pulled comes first
 
 
 def test_timeline_plot(tmp_path):
@@ -228,3 +232,15 @@ def test_the_switch_to_sd_is_charged_to_no_arm(monkeypatch):
     assert [c["best"] for c in bucket["classes"]] == ["4_1_5"], bucket
     assert bucket["pulls"]["4_1_5"] > 3 * bucket["pulls"][NO_SD], bucket
     assert catch_up > 0
+
+
+def test_a_run_says_what_the_unset_switch_means_on_its_device(toy):
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.run_state import prepare, setup
+
+    for extra, said in ((["run.name=a"], True), (["run.name=b", "spec.bs_threshold=8"], False)):
+        logs = []
+        setup(prepare(load_train_config(None, toy + ["spec.mode=adaptive", "spec.drafter=ngram", *extra])),
+              log=logs.append)
+        assert any(line == "spec.bs_threshold unset: on cpu, SD at any batch size (the bandit decides)"
+                   for line in logs) == said, logs

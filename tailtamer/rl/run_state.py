@@ -164,6 +164,10 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                     speculator=make_speculator(cfg.spec, model))
+    if cfg.spec.mode == "adaptive" and cfg.spec.bs_threshold is None:  # resolved by the device: say how
+        threshold = cfg.spec.threshold(device.type)
+        log(f"spec.bs_threshold unset: on {device.type}, SD " + ("at any batch size (the bandit decides)"
+                                                                 if threshold is None else f"at most {threshold} running"))
     adaptive = None
     # With one worker and no training window there is no time to train the drafter in.
     trains = workers.world > 1 or cfg.spot.single_worker == "window"

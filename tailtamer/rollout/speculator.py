@@ -34,8 +34,8 @@ class SpecConfig:
     acceptance: str = f("exact", "the acceptance rule; only the exact (lossless) one exists")
     bs_threshold: int | None = f(None, "adaptive: speculate once at most this many requests run (0 = never: the "
                                        "drafter is attached and trained, for measuring what it costs); unset: "
-                                       f"{GPU_BS_THRESHOLD} on a GPU, every batch size on a CPU (the bandit's "
-                                       "'no SD' arm decides)")
+                                       f"{GPU_BS_THRESHOLD} on a GPU or with tuner=fixed, every batch size on a "
+                                       "CPU (the bandit's 'no SD' arm decides)")
     tuner: str = f("beg", "adaptive: beg (bucketed epsilon-greedy bandit, TLT §2.3) or fixed")
     strategies: tuple[str, ...] = f(DEFAULT_MAB_STRATEGIES, "beg: the arms (plus 'no SD' in every bucket)")
     bucket_thresholds: tuple[int, ...] = f(DEFAULT_BUCKET_THRESHOLDS, "beg: one per tokens-to-verify group")
@@ -68,10 +68,27 @@ class SpecConfig:
         self._bandit()  # its settings are checked in every mode: a wrong one is a mistake even where unused
 
     def threshold(self, device_type: str) -> int | None:
-        """The long-tail switch for a target on `device_type` (None: every batch size)."""
+        """The long-tail switch for a target on `device_type` (None: every batch size). Unset, a
+        fixed strategy keeps the GPU's: it has no "no SD" arm to fall back on."""
         if self.bs_threshold is not None:
             return self.bs_threshold
-        return None if device_type == "cpu" else GPU_BS_THRESHOLD
+        return None if device_type == "cpu" and self.tuner == "beg" else GPU_BS_THRESHOLD
+
+    def most_verified(self, slots: int, device_type: str) -> int:
+        """The most tokens one SD step verifies with `slots` requests running: every request's
+        tree of the fixed strategy; with the bandit, per bucket its group's largest tree for as
+        many requests as the bucket and the switch let run (rows the engine's logits hold)."""
+        threshold = self.threshold(device_type) if self.mode == "adaptive" else None
+        running = slots if threshold is None else min(slots, threshold)
+        if self.mode == "on" or self.tuner == "fixed":
+            return running * Strategy.parse(self.strategy).verify
+        bandit, rows = self._bandit(), 0
+        for i, group in enumerate(bandit.groups):
+            low = bandit.thresholds[i]
+            high = bandit.thresholds[i + 1] - 1 if i + 1 < len(bandit.thresholds) else running
+            if low <= running:
+                rows = max(rows, min(high, running) * max(s.verify for s in group))
+        return rows
 
     def make_tuner(self):
         if self.mode == "on" or self.tuner == "fixed":
