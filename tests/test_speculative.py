@@ -199,6 +199,26 @@ def test_accept_follows_the_draws_down_the_tree():
     assert accept(tree, draws)[2].tolist() == [1, 1, 1]
 
 
+def test_a_chain_accepts_what_the_tree_walk_accepts():
+    """The chain fast path gives the general walk's path, tokens and length on chains of every
+    depth, with draws that match the drafts for a random stretch and then at random."""
+    from dataclasses import replace
+
+    from tailtamer.rollout.eagle import chain_tree
+
+    g = torch.Generator().manual_seed(0)
+    for depth in (1, 2, 4, 7):
+        tokens = torch.randint(0, 3, (64, depth + 1), generator=g)  # 3 symbols: many accepts
+        draws = torch.randint(0, 3, (64, depth + 1), generator=g)
+        agree = torch.rand(64, depth, generator=g) < 0.7
+        draws[:, :-1] = torch.where(agree, tokens[:, 1:], draws[:, :-1])
+        chain = chain_tree(tokens)
+        fast, walk = accept(chain, draws), accept(replace(chain, chain=False), draws)
+        for a, b in zip(fast, walk):
+            assert torch.equal(a, b)
+        assert set(fast[2].tolist()) == set(range(1, depth + 2))  # every length, 1 to depth + 1
+
+
 @pytest.mark.parametrize("text,message", [("4_2", "DEPTH_TOPK_VERIFY"), ("a_b_c", "DEPTH_TOPK_VERIFY"),
                                           ("0_1_2", "depth >= 1"), ("4_1_1", "verify >= 2"),
                                           ("2_1_9", "yields only 2 candidates"),

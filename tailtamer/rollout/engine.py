@@ -339,7 +339,8 @@ class Engine:
         PHASES.mark("sd: accept")
         if self.proposer.needs_hidden:
             positions = starts[:, None] + torch.arange(path.shape[1], device=device)
-            self.proposer.observe(slice(0, B), positions, hidden[torch.arange(B, device=device)[:, None], path], tokens)
+            kept = hidden if tree.chain else hidden[torch.arange(B, device=device)[:, None], path]  # a chain's path: 0..depth
+            self.proposer.observe(slice(0, B), positions, kept, tokens)
             PHASES.mark("sd: drafter observe")
         moves, emitted = [], 0
         drafted = (tree.valid.sum(1) - 1).tolist()
