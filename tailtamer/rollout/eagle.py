@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +33,17 @@ def eagle_chain(drafter, cache, starts: torch.Tensor, root_logits: torch.Tensor,
 
 def chain_tree(tokens: torch.Tensor) -> Tree:
     """The Tree of chains (B, depth + 1): the pending token, then each level's draft."""
-    batch, depth, dev = tokens.shape[0], tokens.shape[1] - 1, tokens.device
-    return Tree(tokens=tokens, parents=torch.arange(-1, depth, device=dev).expand(batch, -1),
-                depths=torch.arange(depth + 1, device=dev).expand(batch, -1),
-                valid=torch.ones(batch, depth + 1, dtype=torch.bool, device=dev), depth=depth, chain=True)
+    parents, depths, valid = _chain_shape(tokens.shape[0], tokens.shape[1] - 1, tokens.device)
+    return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, depth=tokens.shape[1] - 1, chain=True)
+
+
+@lru_cache(maxsize=64)
+def _chain_shape(batch: int, depth: int, device: torch.device):
+    """A chain's parents, depths and valid flags: the same at every step (read, never written),
+    so built once per batch size and depth rather than in every SD step."""
+    return (torch.arange(-1, depth, device=device).expand(batch, -1),
+            torch.arange(depth + 1, device=device).expand(batch, -1),
+            torch.ones(batch, depth + 1, dtype=torch.bool, device=device))
 
 
 def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: torch.Tensor,
