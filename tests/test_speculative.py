@@ -215,7 +215,7 @@ def test_a_chain_accepts_what_the_tree_walk_accepts():
         chain = chain_tree(tokens)
         fast, walk = accept(chain, draws), accept(replace(chain, chain=False), draws)
         for a, b in zip(fast, walk):
-            assert torch.equal(a, b)
+            assert torch.equal(a, b) and a.dtype == b.dtype
         assert set(fast[2].tolist()) == set(range(1, depth + 2))  # every length, 1 to depth + 1
 
 

@@ -89,7 +89,7 @@ class Tree:
     depths: torch.Tensor  # (B, N) long
     valid: torch.Tensor  # (B, N) bool
     depth: int  # the deepest node's depth (at most)
-    chain: bool = False  # node i is at depth i with parent i - 1: plain causal attention
+    chain: bool = False  # node i is at depth i with parent i - 1, all valid (N = depth + 1): causal attention
 
     def verify_inputs(self, starts: torch.Tensor):
         """(rotary positions, tree mask) for the verify forward; None, None for a chain, whose
