@@ -1,0 +1,28 @@
+"""The benchmarks' own plumbing, on a tiny random model (their speed is never asserted)."""
+
+import torch
+
+from tailtamer.bench import bench_rollout
+from tailtamer.model.drafter import init_drafter, save_drafter
+from tailtamer.model.io import load_pretrained
+
+
+def test_bench_rollout_times_every_arm_in_every_run_on_plain_decodings_tokens(model_dir, tmp_path, monkeypatch):
+    """Every arm (SD always, the two adaptive engines kept across runs after their warm-up, and
+    the one with a fresh bandit per run) emits plain decoding's tokens and is timed once per run;
+    on a CPU the adaptive switch is unset, and the kept bandits' summaries say they are summed."""
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # compiled chains run as eager code here
+    model, _ = load_pretrained(model_dir)
+    save_drafter(init_drafter(model, std=0.2), tmp_path / "drafter")
+    report = bench_rollout(str(model_dir), prompts=4, n=4, repeats=3, max_new_tokens=12, plot=None,
+                           drafter_dir=str(tmp_path / "drafter"))
+    arms = report["arms"]
+    assert list(arms) == ["plain", "sd_fixed_4_2_8", "adaptive", "adaptive_compiled", "adaptive_fresh_bandit"]
+    assert all(a["identical_to_plain"] == 1.0 and len(a["speedup_each_run"]) == 3 for a in arms.values())
+    assert report["bs_threshold"] is None and report["tail_running"] == 64 and report["requests"] == 16
+    assert all("tuner_all_runs" in arms[k] for k in ("adaptive", "adaptive_compiled"))
+    assert "tuner" in arms["adaptive_fresh_bandit"] and "tuner" not in arms["plain"]
+    # the kept bandit pulled arms in the warm-up and all three runs: more than the fresh one's one run
+    pulls = {k: sum(sum(b["pulls"].values()) for b in arms[k]["tuner_all_runs" if k == "adaptive" else "tuner"]["buckets"])
+             for k in ("adaptive", "adaptive_fresh_bandit")}
+    assert pulls["adaptive"] > 2 * pulls["adaptive_fresh_bandit"] > 0
