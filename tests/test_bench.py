@@ -11,7 +11,7 @@ def test_bench_rollout_times_every_arm_in_every_run_on_plain_decodings_tokens(mo
     """Every arm (SD always, the two adaptive engines kept across runs after their warm-up, and
     the one with a fresh bandit per run) emits plain decoding's tokens and is timed once per run;
     on a CPU the adaptive switch is unset, and the kept bandits' summaries say they are summed."""
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # compiled chains run as eager code here
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)  # compiled chains run as eager code here
     model, _ = load_pretrained(model_dir)
     save_drafter(init_drafter(model, std=0.2), tmp_path / "drafter")
     report = bench_rollout(str(model_dir), prompts=4, n=4, repeats=3, max_new_tokens=12, plot=None,
