@@ -209,26 +209,24 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
         return Engine(model, tokenizer, config, speculator=Speculator(
             EagleProposer(drafter, compiled=compiled), adaptive.make_tuner(), threshold))
 
-    arms = {
+    kept = {  # engines kept across the runs
         "plain": Engine(model, tokenizer, config),
         "sd_fixed_" + fixed.strategy: Engine(model, tokenizer, config, speculator=Speculator(
             EagleProposer(drafter), fixed.make_tuner())),
         "adaptive": adaptive_engine(),
         "adaptive_compiled": adaptive_engine(compiled=True),
-        "adaptive_fresh_bandit": adaptive_engine,
     }
+    fresh = {"adaptive_fresh_bandit": adaptive_engine}  # a new engine every run
     others = [tokenizer.encode(p["prompt"]) for p in ArithmeticTask().dataset(prompts, seed=31338)]
-    warm_up_s = {}  # compiling happens here, in the warm-up: what a training run's first step leaves behind
-    for name, engine in arms.items():
-        if isinstance(engine, Engine):
-            warm_up_s[name] = engine.generate(others, SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens,
-                                                                     seed=3))[1].setup_s
-    seconds: dict[str, list[float]] = {k: [] for k in arms}
+    # the warm-up, where compiling happens: what a training run's first step leaves behind
+    warm_up_s = {name: engine.generate(others, SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens,
+                                                              seed=3))[1].setup_s for name, engine in kept.items()}
+    names = [*kept, *fresh]
+    seconds: dict[str, list[float]] = {k: [] for k in names}
     results = {}
-    names = list(arms)
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:  # each arm in every turn
-            engine = arms[name] if isinstance(arms[name], Engine) else arms[name]()
+            engine = kept[name] if name in kept else fresh[name]()
             completions, stats = engine.generate(ids, params)
             seconds[name].append(stats.seconds)
             results[name] = (completions, stats, engine.tuner.summary() if engine.tuner else None)
@@ -257,7 +255,7 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             "identical_to_plain": sum(a.token_ids == b.token_ids for a, b in zip(plain_completions, completions))
             / len(completions),
             # a kept engine's bandit: its pulls summed over the warm-up and every run
-            **({"tuner_all_runs" if name in warm_up_s else "tuner": tuner} if tuner else {}),
+            **({"tuner_all_runs" if name in kept else "tuner": tuner} if tuner else {}),
         }
     if plot:
         from tailtamer.plots import plot_rollout_timeline

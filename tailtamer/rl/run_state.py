@@ -165,7 +165,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                     speculator=make_speculator(cfg.spec, model))
     if cfg.spec.mode == "adaptive" and cfg.spec.bs_threshold is None:  # resolved by the device: say how
-        threshold = cfg.spec.threshold(device.type)
+        threshold = engine.speculator.bs_threshold
         log(f"spec.bs_threshold unset: on {device.type}, SD " + ("at any batch size (the bandit decides)"
                                                                  if threshold is None else f"at most {threshold} running"))
     adaptive = None

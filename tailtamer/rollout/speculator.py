@@ -84,10 +84,10 @@ class SpecConfig:
             return running * Strategy.parse(self.strategy).verify
         bandit, rows = self._bandit(), 0
         for i, group in enumerate(bandit.groups):
-            low = bandit.thresholds[i]
-            high = bandit.thresholds[i + 1] - 1 if i + 1 < len(bandit.thresholds) else running
+            low, high = bandit.bucket_sizes(i)
             if low <= running:
-                rows = max(rows, min(high, running) * max(s.verify for s in group))
+                top = running if high is None else min(high, running)
+                rows = max(rows, top * max(s.verify for s in group))
         return rows
 
     def make_tuner(self):

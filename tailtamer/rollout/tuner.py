@@ -140,13 +140,16 @@ class BEGTuner:
         entry.rewards.append(tokens / seconds)
         entry.pulls += 1
 
+    def bucket_sizes(self, i: int) -> tuple[int, int | None]:
+        """Bucket i's batch sizes [t_i, t_(i+1) − 1]; None: the last bucket is open."""
+        return self.thresholds[i], self.thresholds[i + 1] - 1 if i + 1 < len(self.thresholds) else None
+
     def summary(self) -> dict:
         """Per bucket: its batch sizes, pulls per arm, and per size class seen the pulls,
         the median rewards and the best arm."""
         out = []
         for i, names in enumerate(self.names):
-            lo = self.thresholds[i]
-            hi = self.thresholds[i + 1] - 1 if i + 1 < len(self.thresholds) else None
+            lo, hi = self.bucket_sizes(i)
             classes = []
             for k, arms in sorted(self.arms[i].items()):
                 medians = {n: median_reward(a.rewards) for n, a in arms.items() if a.rewards}
