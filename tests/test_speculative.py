@@ -320,6 +320,36 @@ def test_a_compiled_chain_drafts_and_writes_what_the_eager_chain_does(target, tr
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("std", [0.2, 0.5])
+def test_an_eager_chain_drafts_what_the_drafter_drafts_without_a_cache(target, std):
+    """Each level of a chain (its rows, positions, masks and rotations built for all levels at
+    once) drafts the top token of the drafter's training pass, no cache, over the request's
+    pairs followed by the levels before it: (ĥ, draft) pairs at the next positions. Requests
+    of different lengths and backlogs, so each row's levels sit at its own positions. Random
+    drafters: a trained one's top token barely depends on what it attends to."""
+    drafter = init_drafter(target, std=std)
+    g = torch.Generator().manual_seed(2)
+    features = torch.randn(3, 20, target.config.hidden_size, generator=g, dtype=torch.float64)
+    tokens = torch.randint(5, 100, (3, 20), generator=g)
+    cached = (12, 7, 15)
+    running = [SimpleNamespace(slot=i, cached=c, prompt_index=i) for i, c in enumerate(cached)]
+    with torch.inference_mode():
+        proposer = EagleProposer(drafter)
+        proposer.reserve(4, 32)
+        proposer.observe(slice(0, 3), torch.arange(20).expand(3, 20), features, tokens)
+        proposer.catch_up(running)
+        proposer.drafted[:3] = [c - k for c, k in zip(cached, (1, 3, 2))]
+        drafts = proposer.propose(running, torch.tensor(cached), Strategy.parse("4_1_5")).tokens[:, 1:]
+        for i, c in enumerate(cached):
+            ids, hidden = tokens[i, :c], features[i, :c]
+            expected = []
+            for _ in range(4):
+                logits, out = drafter(ids[None], hidden[None])
+                expected.append(int(logits[0, -1].argmax()))
+                ids, hidden = torch.cat((ids, torch.tensor(expected[-1:]))), torch.cat((hidden, out[0, -1:]))
+            assert drafts[i].tolist() == expected
+
+
 def test_siblings_share_their_prompts_drafter_rows_at_the_switch(target, trained_drafter, monkeypatch):
     """Siblings fresh from one prefill hold the same pairs over their prompt: the catch-up runs
     the drafter over the first one's backlog only and copies its rows to the others up to where

@@ -187,12 +187,21 @@ class CacheView:
     slice when the batch occupies consecutive slots, which needs no gather), new tokens at
     cache index `index` (B, q), keys and values read up to `span`."""
 
-    def __init__(self, slots: torch.Tensor | slice, index: torch.Tensor, span: int, heads: int):
+    def __init__(self, slots: torch.Tensor | slice, index: torch.Tensor, span: int, heads: int, at=None):
         self.slots, self.span = slots, span
-        first = slots.start or 0 if isinstance(slots, slice) else 0
-        rows = torch.arange(first, first + index.shape[0], device=index.device) if isinstance(slots, slice) else slots
-        # (slot, head, row) of each new key or value, built once for every layer
-        self.at = (rows[:, None, None], torch.arange(heads, device=index.device), index[:, :, None])
+        if at is None:
+            first = slots.start or 0 if isinstance(slots, slice) else 0
+            rows = torch.arange(first, first + index.shape[0], device=index.device) if isinstance(slots, slice) \
+                else slots
+            # (slot, head, row) of each new key or value, built once for every layer
+            at = (rows[:, None, None], torch.arange(heads, device=index.device), index[:, :, None])
+        self.at = at
+
+    def column(self, i: int) -> "CacheView":
+        """The view of a one-token call at column i of this view's index: successive decode
+        steps (a draft chain's levels) share one view's set-up instead of each building its own."""
+        rows, heads, index = self.at
+        return CacheView(self.slots, None, self.span, 0, at=(rows, heads, index[:, i:i + 1]))
 
     def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one

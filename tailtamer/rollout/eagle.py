@@ -288,9 +288,7 @@ class EagleProposer(Proposer):
             torch.tensor(slot_ids, device=self.features.device)
         ids, hidden, starts, last = self._backlog(slot_ids, firsts, ends, width)
         span = max(firsts) + width
-        logits, out = self.drafter.decode(ids, hidden, self.cache, slots, starts, span=span)
-        batch = torch.arange(len(requests), device=last.device)
-        return logits[batch, last], out[batch, last]
+        return self.drafter.decode(ids, hidden, self.cache, slots, starts, span=span, last=last)
 
     def _compiled_chain(self, running: list, pending: torch.Tensor, depth: int) -> Tree | None:
         """`CompiledChain` where it applies (slots 0..B-1, a compiled bucket, a backlog of at
