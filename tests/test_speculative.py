@@ -395,14 +395,19 @@ def test_a_chain_that_fails_to_compile_runs_eager(target, trained_drafter):
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain] and stats.sd_steps > 0
 
 
-@pytest.mark.parametrize("strategy", ["4_1_5", "4_2_8"])
-def test_finished_requests_hand_over_the_targets_hidden_states(target, trained_drafter, strategy):
+@pytest.mark.parametrize("strategy,group_tokens", [("4_1_5", 0), ("4_2_8", 0), ("4_1_5", None)])
+def test_finished_requests_hand_over_the_targets_hidden_states(target, trained_drafter, strategy, group_tokens,
+                                                               monkeypatch):
     """What the adaptive drafter learns from comes from the rollout's own forwards: as each
     request finishes, its tokens and the hidden states the engine observed for those a forward
     consumed, over its prefill, plain steps (more than 3 running) and SD steps (tree or chain,
     accepted paths only), with slots compacted as requests finish and new ones admitted, equal
-    one full forward of the target over those tokens."""
+    one full forward of the target over those tokens. With a prefill group's cost at 0 every
+    prompt length is prefilled in its own forward; with the default, the prompts share one."""
     from tailtamer.rollout.tuner import FixedTuner
+
+    if group_tokens is not None:
+        monkeypatch.setattr(engine_module, "PREFILL_GROUP_TOKENS", group_tokens)
 
     kept = []
     speculator = Speculator(EagleProposer(trained_drafter), FixedTuner(Strategy.parse(strategy)), bs_threshold=3)
