@@ -11,7 +11,7 @@ from tailtamer.errors import DataError
 from tailtamer.model.io import load_model
 from tailtamer.model.tokenizer import char_tokenizer
 import tailtamer.rollout.engine as engine_module
-from tailtamer.rollout.engine import Engine, EngineConfig, length_groups
+from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams, target_probs
 from conftest import random_model, tiny_config
 
@@ -25,7 +25,7 @@ def _prompts(n, seed=0, lo=1, hi=14, vocab=100):
 @pytest.mark.parametrize("max_batch_size,group_tokens", [(1, None), (3, None), (16, None), (16, 0)])
 def test_greedy_equals_transformers_generate_in_float64(model_dir, max_batch_size, group_tokens, monkeypatch):
     if group_tokens is not None:  # every prompt length prefilled in its own forward
-        monkeypatch.setattr(engine_module, "PREFILL_GROUP_TOKENS", group_tokens)
+        monkeypatch.setitem(engine_module.PREFILL_GROUP_TOKENS, "cpu", group_tokens)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     engine = Engine(load_model(model_dir, "float64"), config=EngineConfig(max_batch_size=max_batch_size))
     prompts = _prompts(8)
@@ -35,27 +35,6 @@ def test_greedy_equals_transformers_generate_in_float64(model_dir, max_batch_siz
                                max_new_tokens=40, do_sample=False, eos_token_id=1, pad_token_id=0)
         assert c.token_ids == expected[0, len(p):].tolist()
     assert completions[0].prompt_index == 0 and len(completions) == 8
-
-
-def test_prefill_groups_are_the_cheapest_split_of_the_sorted_lengths():
-    """`length_groups` against every split of the sorted lengths into contiguous runs, cost
-    Σ (overhead + |g| · max(g)); and each index lands in exactly one group."""
-    import itertools
-    import random
-
-    rng = random.Random(0)
-    for _ in range(200):
-        lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 8))]
-        overhead = rng.choice([0, 7, 40, 96])
-        groups = length_groups(lengths, overhead)
-        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-        cost = sum(overhead + len(g) * max(lengths[i] for i in g) for g in groups)
-        s = sorted(lengths)
-        best = min(sum(overhead + (b - a) * s[b - 1] for a, b in zip((0, *cuts), (*cuts, len(s))))
-                   for k in range(len(s)) for cuts in itertools.combinations(range(1, len(s)), k))
-        assert cost == best
-    assert length_groups([5, 40, 5, 40], 0) == [[0, 2], [1, 3]] and length_groups([5, 40, 5, 40], 1000) == [[0, 2, 1, 3]]
-    assert length_groups([], 96) == []
 
 
 def test_a_sample_does_not_depend_on_the_batch(model_dir):

@@ -395,6 +395,29 @@ def test_a_chain_that_fails_to_compile_runs_eager(target, trained_drafter):
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain] and stats.sd_steps > 0
 
 
+@pytest.mark.parametrize("group_tokens", [0, None])
+def test_the_prefill_hands_the_proposer_each_prompts_pairs_and_first_token(target, trained_drafter, group_tokens,
+                                                                          monkeypatch):
+    """After a prefill (with a group's cost at 0, one forward per prompt length) the proposer
+    holds for every request the next tokens of its prompt's pairs, x_(j+1) after h_j, and the
+    request's own first drawn token after the last: siblings differ there."""
+    if group_tokens is not None:
+        monkeypatch.setitem(engine_module.PREFILL_GROUP_TOKENS, "cpu", group_tokens)
+    rows = []
+    observe = EagleProposer.observe
+    monkeypatch.setattr(EagleProposer, "observe", lambda self, slots, positions, hidden, next_tokens: (
+        rows.extend(next_tokens.tolist()), observe(self, slots, positions, hidden, next_tokens)))
+    prompts = _prompts(6, seed=5)
+    outs, _ = _generate(target, prompts, SamplingParams(temperature=1.0, max_new_tokens=1, n=3, seed=1), 18,
+                        EagleProposer(trained_drafter), "4_1_5")
+    assert len({len(p) for p in prompts}) > 2 and len({tuple(c.token_ids) for c in outs}) > 6
+    assert len(rows) == len(outs)  # max_new_tokens=1: the prefill's pairs only, one row per request
+    for c in outs:
+        p = prompts[c.prompt_index]
+        row = next(r for r in rows if r[: len(p)] == p[1:] + c.token_ids)
+        rows.remove(row)
+
+
 @pytest.mark.parametrize("strategy,group_tokens", [("4_1_5", 0), ("4_2_8", 0), ("4_1_5", None)])
 def test_finished_requests_hand_over_the_targets_hidden_states(target, trained_drafter, strategy, group_tokens,
                                                                monkeypatch):
@@ -407,7 +430,7 @@ def test_finished_requests_hand_over_the_targets_hidden_states(target, trained_d
     from tailtamer.rollout.tuner import FixedTuner
 
     if group_tokens is not None:
-        monkeypatch.setattr(engine_module, "PREFILL_GROUP_TOKENS", group_tokens)
+        monkeypatch.setitem(engine_module.PREFILL_GROUP_TOKENS, "cpu", group_tokens)
 
     kept = []
     speculator = Speculator(EagleProposer(trained_drafter), FixedTuner(Strategy.parse(strategy)), bs_threshold=3)

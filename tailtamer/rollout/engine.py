@@ -27,6 +27,7 @@ import torch
 from tailtamer.config_fields import f
 from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.transformer import KVCache, Transformer
+from tailtamer.rl.batching import token_budget_chunks
 from tailtamer.rollout.sampling import SamplingParams, request_key, sample, target_probs, uniforms
 from tailtamer.rollout.speculative import Strategy, accept
 from tailtamer.rollout.speculator import Speculator
@@ -37,30 +38,12 @@ class NonFiniteLogits(TailtamerError):
     """The model's output is NaN or inf: there is nothing to sample from."""
 
 
-# A prefill forward's fixed cost in padded tokens' worth of compute: on the base model a
-# forward costs ~3.6 ms beyond ~37 us per token (a 64-prompt prefill, prompts of 7-49 tokens,
-# padded to 49 as one batch: 116 ms; in 5 groups by length: 53 ms; 2026-12-05, the Xeon).
-PREFILL_GROUP_TOKENS = 96
-
-
-def length_groups(lengths: list[int], overhead: int = PREFILL_GROUP_TOKENS) -> list[list[int]]:
-    """Indices of `lengths` split into prefill batches, each right-padded to its longest:
-    over the lengths sorted, the contiguous runs g minimising  Σ_g (overhead + |g| · max(g)),
-    the padded tokens plus a forward's fixed cost (exact, by dynamic programming over the
-    distinct lengths: O(d²)). One prompt set of 7-49 tokens padded as one batch computes 3.7x
-    its tokens; grouped, 1.1x."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    ends = [k + 1 for k in range(len(order)) if k + 1 == len(order) or lengths[order[k]] != lengths[order[k + 1]]]
-    best, cut = {0: 0}, {}
-    for j in ends:  # best[j]: the sorted prefix order[:j]; a group ends only where a length ends
-        width = lengths[order[j - 1]]
-        cut[j] = min((i for i in [0, *ends] if i < j), key=lambda i: best[i] + (j - i) * width)
-        best[j] = best[cut[j]] + overhead + (j - cut[j]) * width
-    groups, j = [], len(order)
-    while j:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
+# A prefill forward's fixed cost, in padded tokens' worth of compute, by device type: on the
+# base model on a CPU a forward costs ~3.6 ms beyond ~37 us a token (64 prompts of 7-49 tokens:
+# 116 ms padded as one batch, 53 ms in 5 groups by length; 2026-12-05, the Xeon). Not measured
+# on a GPU, where a forward's kernel launches cost more: there the prompts stay one batch.
+PREFILL_GROUP_TOKENS = {"cpu": 96}
+PREFILL_GROUP_ROWS = 64  # prompts a grouped forward holds at most: bounds the search for the cuts
 
 
 @dataclass(frozen=True)
@@ -310,8 +293,9 @@ class Engine:
         return sorted(alive, key=lambda r: r.slot)
 
     def _prefill(self, admitted: list[Request], cache: KVCache, params: SamplingParams) -> None:
-        """The distinct prompts' forwards, grouped by length (`length_groups`: each group is
-        right-padded to its longest prompt); siblings copy the KV rows."""
+        """The distinct prompts' forwards, in groups by length, each right-padded to its
+        longest prompt (`token_budget_chunks`: the cuts of the sorted lengths that minimise the
+        padded tokens plus a forward's fixed cost each); siblings copy the KV rows."""
         device = self.model.device
         leaders: dict[int, Request] = {}
         for r in admitted:
@@ -320,8 +304,12 @@ class Engine:
         pad = next(iter(self.eos_ids), 0)
         if self.proposer is not None:
             self.proposer.admit(admitted)
+        lengths = [len(r.prompt_ids) for r in firsts]
+        overhead = PREFILL_GROUP_TOKENS.get(device.type)
+        keep = self.proposer is not None and self.proposer.needs_hidden
         row, groups, logits = {}, [], []
-        for group in length_groups([len(r.prompt_ids) for r in firsts], PREFILL_GROUP_TOKENS):
+        for group in [list(range(len(firsts)))] if overhead is None else \
+                token_budget_chunks(lengths, PREFILL_GROUP_ROWS, PREFILL_GROUP_ROWS * max(lengths), overhead):
             lead = [firsts[i] for i in group]
             width = max(len(r.prompt_ids) for r in lead)
             ids = torch.tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in lead], device=device)
@@ -329,7 +317,7 @@ class Engine:
                                              torch.tensor([len(r.prompt_ids) - 1 for r in lead], device=device))
             at = {r.prompt_index: k for k, r in enumerate(lead)}
             row.update({p: len(row) + k for p, k in at.items()})
-            groups.append((ids, hidden, at))
+            groups.append((ids, hidden if keep else None, at))
             logits.append(out)
         for r in admitted:
             leader = leaders[r.prompt_index]
@@ -339,17 +327,16 @@ class Engine:
         rows = torch.tensor([row[r.prompt_index] for r in admitted], device=device)
         first = self._draw(admitted, torch.cat(logits)[rows], params, torch.zeros(len(admitted), 1, dtype=torch.long,
                                                                                  device=device))[:, 0]
-        if self.proposer is not None and self.proposer.needs_hidden:
-            # pairs (h_j, x_(j+1)) over each prompt; the pair at the prompt's end gets the first token
+        if keep:  # pairs (h_j, x_(j+1)) over each prompt; the pair at the prompt's end gets the first token
             for ids, hidden, at in groups:
                 mine = [i for i, r in enumerate(admitted) if r.prompt_index in at]
-                rows = torch.tensor([at[admitted[i].prompt_index] for i in mine], device=device)
-                after = torch.cat([ids[:, 1:], ids[:, :1]], 1)[rows]
+                of = torch.tensor([at[admitted[i].prompt_index] for i in mine], device=device)  # leader rows
+                after = torch.cat([ids[:, 1:], ids[:, :1]], 1)[of]
                 after[torch.arange(len(mine), device=device),
                       torch.tensor([len(admitted[i].prompt_ids) - 1 for i in mine], device=device)] = first[mine]
                 slots = torch.tensor([admitted[i].slot for i in mine], device=device)
                 self.proposer.observe(slots, torch.arange(ids.shape[1], device=device).expand(len(mine), -1),
-                                      hidden[rows], after)
+                                      hidden[of], after)
         for r, token in zip(admitted, self._checked(first.tolist())):
             self._append(r, token, params)
 
