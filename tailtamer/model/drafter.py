@@ -141,9 +141,9 @@ class Drafter(nn.Module):
         if depth == 1:
             return tokens[0][:, None]
         B = logits.shape[0]
-        # decode_inputs reads only the shape of its ids
+        # decode_inputs reads only the shape and device of its ids
         positions, masks, views = decode_inputs(rows.new_empty(B, depth - 1), cache, slice(0, B), rows, span=span)
-        cos, sin = rotary(self.config, positions, hidden.dtype, tables)
+        cos, sin = rotary(self.config, positions, self.fc.weight.dtype, tables)
         for d in range(1, depth):
             ids, at = tokens[-1][:, None], slice(d - 1, d)
             hidden = self._features(ids, hidden, None, masks[:, :, at], (layer_cache, views.column(d - 1)),

@@ -184,24 +184,25 @@ def join_fused(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 class CacheView:
     """Where one decode call writes and reads: cache slots `slots` (a tensor of slot ids, or a
-    slice when the batch occupies consecutive slots, which needs no gather), new tokens at
-    cache index `index` (B, q), keys and values read up to `span`."""
+    slice when the batch occupies consecutive slots, which needs no gather), each new key or
+    value at (slot, head, row) `at`, keys and values read up to `span`. `CacheView.of` builds
+    one from the new tokens' cache index (B, q)."""
 
-    def __init__(self, slots: torch.Tensor | slice, index: torch.Tensor, span: int, heads: int, at=None):
-        self.slots, self.span = slots, span
-        if at is None:
-            first = slots.start or 0 if isinstance(slots, slice) else 0
-            rows = torch.arange(first, first + index.shape[0], device=index.device) if isinstance(slots, slice) \
-                else slots
-            # (slot, head, row) of each new key or value, built once for every layer
-            at = (rows[:, None, None], torch.arange(heads, device=index.device), index[:, :, None])
-        self.at = at
+    def __init__(self, slots: torch.Tensor | slice, span: int, at: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        self.slots, self.span, self.at = slots, span, at
+
+    @classmethod
+    def of(cls, slots: torch.Tensor | slice, index: torch.Tensor, span: int, heads: int) -> "CacheView":
+        first = slots.start or 0 if isinstance(slots, slice) else 0
+        rows = torch.arange(first, first + index.shape[0], device=index.device) if isinstance(slots, slice) else slots
+        # built once for every layer: (B, 1, 1) slots, (heads,) heads, (B, q, 1) rows
+        return cls(slots, span, (rows[:, None, None], torch.arange(heads, device=index.device), index[:, :, None]))
 
     def column(self, i: int) -> "CacheView":
         """The view of a one-token call at column i of this view's index: successive decode
         steps (a draft chain's levels) share one view's set-up instead of each building its own."""
         rows, heads, index = self.at
-        return CacheView(self.slots, None, self.span, 0, at=(rows, heads, index[:, i:i + 1]))
+        return CacheView(self.slots, self.span, (rows, heads, index[:, i:i + 1]))
 
     def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one
@@ -288,7 +289,7 @@ def decode_inputs(input_ids, cache: KVCache, slots, starts, positions=None, tree
         inside = (rel >= 0) & (rel < window)
         visible = (rel < 0) | (inside & torch.gather(tree_mask, 2, rel.clamp(0, window - 1).expand(B, q, span)))
     mask = torch.zeros(visible.shape, dtype=cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-    return positions, mask[:, None], CacheView(slots, index, span, cache.heads)
+    return positions, mask[:, None], CacheView.of(slots, index, span, cache.heads)
 
 
 class Transformer(nn.Module):
