@@ -90,8 +90,8 @@ class Drafter(nn.Module):
         cos, sin = rope if rope is not None else rotary(self.config, positions, x.dtype, tables)
         return self.layers[0](x, cos, sin, mask, kv)
 
-    def _run(self, ids, hidden, positions, mask=None, kv=None, last=None):
-        x = self._features(ids, hidden, positions, mask, kv)
+    def _run(self, ids, hidden, positions, mask=None, kv=None, last=None, tables=None):
+        x = self._features(ids, hidden, positions, mask, kv, tables)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]
         return self.target.lm_head(x), x
@@ -121,10 +121,8 @@ class Drafter(nn.Module):
         tensor for all layers, and a compiled write through it copies that whole tensor back,
         which costs more than the chain."""
         positions, mask, view = decode_inputs(ids, cache, slice(0, ids.shape[0]), starts, span=span)
-        x = self._features(ids, hidden, positions, mask, (layer_cache, view), tables)
-        h = x[torch.arange(ids.shape[0], device=ids.device), last][:, None]
-        return self.greedy_levels(h, self.target.lm_head(h)[:, 0], layer_cache, cache, starts + last + 1, depth,
-                                  span, tables)
+        logits, h = self._run(ids, hidden, positions, mask, (layer_cache, view), last, tables)
+        return self.greedy_levels(h[:, None], logits, layer_cache, cache, starts + last + 1, depth, span, tables)
 
     def greedy_levels(self, hidden: torch.Tensor, logits: torch.Tensor, layer_cache: torch.Tensor, cache: KVCache,
                       rows: torch.Tensor, depth: int, span: int, tables=None, mark=None) -> torch.Tensor:

@@ -308,6 +308,7 @@ class Engine:
         overhead = PREFILL_GROUP_TOKENS.get(device.type)
         keep = self.proposer is not None and self.proposer.needs_hidden
         row, groups, logits = {}, [], []
+        # no token budget beyond the rows' (the old single batch had none): max_tokens never binds
         for group in [list(range(len(firsts)))] if overhead is None else \
                 token_budget_chunks(lengths, PREFILL_GROUP_ROWS, PREFILL_GROUP_ROWS * max(lengths), overhead):
             lead = [firsts[i] for i in group]
