@@ -182,25 +182,31 @@ class Workers:
             offset += n
         return flat[offset:].view_as(extra)
 
-    def average_(self, module: torch.nn.Module, weight: float) -> None:
+    def start_average(self, module: torch.nn.Module, weight: float) -> Callable[[], None]:
         """Make `module` identical on every worker: θ ← Σ_r w_r θ_r / Σ_r w_r with w_r the
         drafter steps worker r took this step (local-SGD averaging; a worker that did not train
-        adds nothing, and if none trained nothing changes)."""
+        adds nothing, and if none trained nothing changes). This starts the all-reduce and
+        returns the call that waits for it and writes the average in, so the transfer overlaps
+        whatever runs in between (the update); `module` must not change meanwhile."""
         if self.world == 1:
-            return
+            return lambda: None
         params = [p for p in module.parameters() if p.requires_grad]
         flat = torch.cat([p.detach().float().flatten() * weight for p in params]
                          + [torch.tensor([float(weight)], device=params[0].device)])
-        dist.all_reduce(flat)
-        total = flat[-1].item()
-        if total == 0:
-            return
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                n = p.numel()
-                p.copy_((flat[offset: offset + n] / total).view_as(p))
-                offset += n
+        work = dist.all_reduce(flat, async_op=True)
+
+        def finish() -> None:
+            work.wait()
+            total = flat[-1].item()
+            if total == 0:
+                return
+            offset = 0
+            with torch.no_grad():
+                for p in params:
+                    n = p.numel()
+                    p.copy_((flat[offset: offset + n] / total).view_as(p))
+                    offset += n
+        return finish
 
     # --- coordination state in the store --------------------------------------------------
 

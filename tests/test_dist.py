@@ -200,7 +200,10 @@ def average_drafters(weights):
     module = torch.nn.Linear(3, 2)
     module.bias.requires_grad_(False)  # frozen, as the drafter's shared embedding and head are
     before = [p.tolist() for p in module.parameters()]
-    w.average_(module, weights[w.rank])
+    finish = w.start_average(module, weights[w.rank])
+    w.sum(torch.ones(1))  # a collective while the average travels (the update's)
+    assert [p.tolist() for p in module.parameters()] == before  # written in only by finish()
+    finish()
     # plain lists: a tensor would travel to the launcher as a shared-memory handle
     return w.gather(([p.tolist() for p in module.parameters()], before))
 

@@ -102,7 +102,7 @@ def test_a_long_response_is_trained_and_scored_a_window_at_a_time():
     drafter.forward = lambda ids, *a, **k: lengths.append(ids.shape[1]) or real(ids, *a, **k)
     tokens = torch.randint(3, target.config.vocab_size, (1000,))
     hidden = target.hidden_states(tokens[None])[0]
-    value, steps = estimate_accept_length(drafter, [Entry(0, tokens, hidden, 20)], 3, T1, group_tokens=128)
+    value, steps = estimate_accept_length(drafter, [Entry(0, tokens, hidden, 20)], 3, T1, window=128)
     assert lengths == [128] and 1 <= value and steps > 0
 
 
@@ -159,19 +159,25 @@ def _buffer_from_target(target, n=12, seed=0):
     return buf
 
 
-def test_spot_trainer_is_preempted_before_the_next_step():
+@pytest.mark.parametrize("stop_at", [5, 6])  # the 5th poll is before step 3's forward, the 6th before its backward
+def test_spot_trainer_is_preempted_before_a_steps_forward_or_its_backward(stop_at):
     target = random_model()
-    trainer = SpotTrainer(init_drafter(target, seed=1), _buffer_from_target(target), SpotConfig(tokens_per_step=64))
-    polls = []
+    drafter = init_drafter(target, seed=1)
+    trainer = SpotTrainer(drafter, _buffer_from_target(target), SpotConfig(tokens_per_step=64))
+    polls, at_stop = [], []
 
-    def stop_after_three():
+    def stop():
         polls.append(trainer.steps)
-        return len(polls) > 3
+        if len(polls) == stop_at:
+            at_stop.append(weights_checksum(drafter))
+        return len(polls) >= stop_at
 
-    report = trainer.train(stop_after_three)
-    # The signal is checked before every step: three steps ran, none started after the signal.
-    assert report["steps"] == 3 and trainer.steps == 3 and polls == [0, 1, 2, 3]
-    assert report["preempt_latency_s"] >= 0
+    report = trainer.train(stop)
+    # Checked twice a step: two steps ran, and the stopped one changed nothing, not even the optimizer.
+    assert polls == [0, 0, 1, 1, 2, 2][:stop_at]
+    assert report["steps"] == trainer.steps == 2 and report["preempt_latency_s"] >= 0
+    assert weights_checksum(drafter) == at_stop[0]
+    assert {int(state["step"]) for state in trainer.optimizer.state.values()} == {2}
 
 
 def test_spot_training_lowers_the_drafter_loss_and_leaves_the_target_alone():
@@ -293,6 +299,18 @@ def test_accept_length_estimate_packs_without_chains_across_samples():
     assert whole == pytest.approx(sum(v * k for v, k in alone) / n, rel=1e-5)
     strided, m = estimate_accept_length(drafter, entries, 3, T1, budget=100)
     assert m < n and strided >= 1.0
+    # idle time's stop signal, checked before every group of about group_tokens pairs: a stop
+    # after the first forward scores nothing rather than the entries that happened to go first
+    forwards, polls = [], []
+    real = drafter.forward
+    drafter.forward = lambda ids, *a, **k: forwards.append(ids.shape[1]) or real(ids, *a, **k)
+    assert estimate_accept_length(drafter, entries, 3, T1, budget=10**6, group_tokens=50,
+                                  should_stop=lambda: polls.append(1) or len(polls) > 1) == (1.0, 0.0)
+    assert len(forwards) == 1 and len(polls) == 2 and forwards[0] <= 50
+    assert estimate_accept_length(drafter, entries, 3, T1, budget=10**6, group_tokens=50,
+                                  should_stop=lambda: False) == (whole, n)
+    assert len(forwards) > 2 and max(forwards) <= 50
+    del drafter.forward
     buf = _buffer_from_target(target, n=6)
     trainer = SpotTrainer(drafter, buf, SpotConfig(tokens_per_step=256, lr=3e-3, max_steps=40))
     before = estimate_accept_length(init_drafter(target, seed=1), entries, 3, T1)[0]

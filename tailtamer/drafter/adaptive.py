@@ -10,7 +10,9 @@
                                      responses neither has trained on, then spot-train until
                                      `should_stop()` (checked before every drafter step);
   publish(steps)                     average the workers' drafters, weighted by the steps each
-                                     took, so every engine drafts with the same one next step.
+                                     took, so every engine drafts with the same one next step
+                                     (started once every worker's training is over, finished
+                                     after the update).
 Everything else the drafter costs the step is a copy into the buffer and that average: the
 scoring and the training happen in time the rollout leaves idle.
 """
@@ -48,19 +50,22 @@ class AdaptiveDrafter:
         (value, weight) pairs (weight 0: not scored)."""
         report = {"accept_est": (1.0, 0.0), "accept_est_frozen": (1.0, 0.0)}
         fresh = self.buffer.newest()
-        if fresh and not should_stop():
-            report["accept_est"] = estimate_accept_length(self.drafter, fresh, self.depth, self.params, budget=1024)
-            if self.frozen is not None and not should_stop():
+        if fresh:
+            report["accept_est"] = estimate_accept_length(self.drafter, fresh, self.depth, self.params, budget=1024,
+                                                          should_stop=should_stop)
+            if self.frozen is not None:
                 report["accept_est_frozen"] = estimate_accept_length(self.frozen, fresh, self.depth, self.params,
-                                                                     budget=1024)
+                                                                     budget=1024, should_stop=should_stop)
         return {**report, **self.trainer.train(should_stop, deadline)}
 
     def train_in_window(self) -> dict:
         """One worker has no idle time: train for `spot.window_s` after the update instead."""
         return self.train_while_idle(lambda: False, deadline=time.perf_counter() + self.cfg.window_s)
 
-    def publish(self, steps: int) -> None:
-        self.workers.average_(self.drafter, steps)
+    def publish(self, steps: int) -> Callable[[], None]:
+        """Start averaging the workers' drafters (`Workers.start_average`); the returned call
+        finishes it, so the transfer overlaps the update."""
+        return self.workers.start_average(self.drafter, steps)
 
     def save(self, out_dir) -> None:
         save_drafter(self.drafter, out_dir)

@@ -12,6 +12,8 @@ features can be better or worse inputs); how close it comes is tested against th
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -54,14 +56,17 @@ def expected_steps(alpha: np.ndarray, depth: int) -> float:
 
 
 @torch.no_grad()
-def estimate_accept_length(drafter, entries: list, depth: int, params: SamplingParams,
-                           budget: int = 2048, group_tokens: int = 1024) -> tuple[float, float]:
+def estimate_accept_length(drafter, entries: list, depth: int, params: SamplingParams, budget: int = 2048,
+                           window: int = 1024, group_tokens: int = 256,
+                           should_stop: Callable[[], bool] | None = None) -> tuple[float, float]:
     """(expected accept length, expected SD steps) of `drafter`'s depth-`depth` chain on
     buffer entries: Σ tokens / Σ E[steps] over the responses, as the engine counts it (the
     steps weigh estimates of several workers into one). A metric, so it looks at an evenly
-    strided subset of about `budget` pair positions, packed `group_tokens` at a time (of a
-    longer response, its first `group_tokens` pairs)."""
-    entries = [response_window(e, group_tokens) for e in entries]
+    strided subset of about `budget` pair positions (of a longer response, its first `window`
+    pairs), packed about `group_tokens` at a time. It runs in idle time, so `should_stop()` is
+    checked before every group: a stop ends it within one small forward and scores nothing
+    (1.0, 0.0), since the groups done first hold the responses that finished first."""
+    entries = [response_window(e, window) for e in entries]
     size = sum(len(e.tokens) - 1 for e in entries)
     entries = [e for e in entries[:: max(1, -(-size // budget))] if e.response_len > int(e.complete)]
     groups, group, used = [], [], 0
@@ -76,6 +81,8 @@ def estimate_accept_length(drafter, entries: list, depth: int, params: SamplingP
     tokens = steps = 0.0
     dtype = drafter.fc.weight.dtype
     for group in groups:
+        if should_stop is not None and should_stop():
+            return 1.0, 0.0
         samples = [pairs(e) for e in group]
         ids, h_in, h_next, _, positions, attn = pack(samples)
         logits, _ = drafter(ids, h_in.to(dtype), positions, attn)

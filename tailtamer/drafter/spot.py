@@ -1,8 +1,8 @@
 """Spot trainer: drafter training in time the rollout leaves idle, preemptible between steps.
 
 A worker whose rollout shard is done trains the drafter on the DataBuffer until it is told to
-stop; it checks the stop signal before every drafter step, so it is preempted within one step
-and never delays the policy update. Each step packs buffer samples into one row (no padding,
+stop; it checks the stop signal before every drafter step's forward and its backward, so it is
+preempted within about half a step and never delays the policy update. Each step packs buffer samples into one row (no padding,
 no cross-sample attention) and applies the warm-up's EAGLE loss. A selective asynchronous
 checkpoint copies only the drafter's own tensors (never the shared embedding / LM head) and
 writes them from a background thread (TLT §2.2).
@@ -63,25 +63,31 @@ class SpotTrainer:
         self._writer: threading.Thread | None = None
 
     def train(self, should_stop: Callable[[], bool], deadline: float | None = None) -> dict:
-        """Drafter steps until `should_stop()` (checked before every step), `deadline`
-        (perf_counter seconds), `max_steps` or an empty buffer. Returns steps, seconds, mean
-        loss and the seconds from the stop signal to the return (0 when it ended otherwise)."""
+        """Drafter steps until `should_stop()` (checked before every step's forward and its
+        backward), `deadline` (perf_counter seconds), `max_steps` or an empty buffer. Returns
+        steps, seconds, mean loss and the seconds from the stop signal to the return (0 when
+        it ended otherwise)."""
         t0 = time.perf_counter()
         losses, stopped_at = [], None
         while len(losses) < self.cfg.max_steps and len(self.buffer):
-            if should_stop():
-                stopped_at = time.perf_counter()
-                break
             if deadline is not None and time.perf_counter() >= deadline:
                 break
-            losses.append(self.step())
+            loss = self.step(should_stop)
+            if loss is None:
+                stopped_at = time.perf_counter()
+                break
+            losses.append(loss)
         end = time.perf_counter()
         return {"steps": len(losses), "seconds": end - t0,
                 "loss": sum(losses) / len(losses) if losses else None,
                 "preempt_latency_s": end - stopped_at if stopped_at is not None else 0.0}
 
-    def step(self) -> float:
-        """One drafter step on a packed buffer sample."""
+    def step(self, should_stop: Callable[[], bool] = lambda: False) -> float | None:
+        """One drafter step on a packed buffer sample; None, with the drafter and its optimizer
+        untouched, when `should_stop()` is true before the forward or before the backward. The
+        backward is half the step, so the second check halves how long a stop waits for it."""
+        if should_stop():
+            return None
         entries = self.buffer.sample(self.rng, self.cfg.tokens_per_step, self.cfg.long_quantile)
         tokens, h_in, h_next, mask, positions, attn = pack([pairs(e) for e in entries])
         dtype = self.drafter.fc.weight.dtype
@@ -93,6 +99,8 @@ class SpotTrainer:
             with torch.no_grad():
                 target_logits = target.lm_head(h_next.to(dtype))
             loss, _, _ = eagle_loss(pred_hidden, pred_logits, h_next.to(dtype), target_logits, mask)
+            if should_stop():
+                return None
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
         finally:

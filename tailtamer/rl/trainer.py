@@ -124,6 +124,8 @@ def rl_step(s: RunState) -> dict:
     w.wait_for_all("rewards")
     last_rollout_end = w.wait_rollout(s.step)
     clock.mark("wait")
+    # Every worker's idle-time drafter steps are over: their average travels during the update.
+    published = s.drafter.publish(drafter["steps"] if drafter else 0) if s.drafter is not None else None
     total, by_function = checked_rewards(s, scored)
     correct = torch.tensor(next(iter(by_function.values())))  # accuracy: the first function, unweighted
     rewards = total.view(len(batch), roll.group_size).clone()
@@ -165,13 +167,13 @@ def rl_step(s: RunState) -> dict:
     update = update_policy(s, samples, plan, old_logps, ref_logps)
     clock.mark("update")
 
-    # 8. Drafter: with one worker, spot training runs in a window after the update (opt-in);
-    #    the drafters trained on idle workers are averaged into the one every engine runs.
+    # 8. Drafter: the average of the drafters trained on idle workers is written into the one
+    #    every engine runs; one worker (nothing to average) trains in a window here (opt-in).
     if s.drafter is not None:
+        published()
         if w.world == 1 and cfg.spot.single_worker == "window":
             drafter = s.drafter.train_in_window()
             clock.mark("spot")
-        s.drafter.publish(drafter["steps"] if drafter else 0)
         clock.mark("publish")
 
     # 9. Weight check: every engine runs the module its worker trained; compare what each
