@@ -325,21 +325,28 @@ def test_an_eager_chain_drafts_what_the_drafter_drafts_without_a_cache(target, s
     """Each level of a chain (its rows, positions, masks and rotations built for all levels at
     once) drafts the top token of the drafter's training pass, no cache, over the request's
     pairs followed by the levels before it: (ĥ, draft) pairs at the next positions. Requests
-    of different lengths and backlogs, so each row's levels sit at its own positions. Random
-    drafters: a trained one's top token barely depends on what it attends to."""
+    of different lengths and backlogs, so each row's levels sit at its own positions, one of
+    them moved to a lower slot after its catch-up, as the engine compacts the batch when a
+    request finishes. Random drafters: a trained one's top token barely depends on what it
+    attends to."""
     drafter = init_drafter(target, std=std)
     g = torch.Generator().manual_seed(2)
-    features = torch.randn(3, 20, target.config.hidden_size, generator=g, dtype=torch.float64)
-    tokens = torch.randint(5, 100, (3, 20), generator=g)
-    cached = (12, 7, 15)
+    features = torch.randn(4, 20, target.config.hidden_size, generator=g, dtype=torch.float64)
+    tokens = torch.randint(5, 100, (4, 20), generator=g)
+    cached = (12, 7, 15, 10)
     running = [SimpleNamespace(slot=i, cached=c, prompt_index=i) for i, c in enumerate(cached)]
     with torch.inference_mode():
         proposer = EagleProposer(drafter)
         proposer.reserve(4, 32)
-        proposer.observe(slice(0, 3), torch.arange(20).expand(3, 20), features, tokens)
+        proposer.observe(slice(0, 4), torch.arange(20).expand(4, 20), features, tokens)
         proposer.catch_up(running)
-        proposer.drafted[:3] = [c - k for c, k in zip(cached, (1, 3, 2))]
+        proposer.drafted[:4] = [c - k for c, k in zip(cached, (1, 3, 2, 2))]
+        proposer.move_slot(3, 1, cached[3])  # request 1 finished: request 3 takes its slot
+        running[3].slot = 1
+        running = [running[0], running[3], running[2]]
+        cached = [r.cached for r in running]
         drafts = proposer.propose(running, torch.tensor(cached), Strategy.parse("4_1_5")).tokens[:, 1:]
+        features, tokens = features[[0, 3, 2]], tokens[[0, 3, 2]]
         for i, c in enumerate(cached):
             ids, hidden = tokens[i, :c], features[i, :c]
             expected = []

@@ -17,6 +17,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -91,7 +92,8 @@ class DataBuffer:
         if len(hidden) <= response_start:
             return False
         with torch.inference_mode(False):  # a plain tensor, whatever mode the rollout runs in
-            ids = torch.tensor(tokens[: len(hidden)], dtype=torch.long, device=hidden.device)
+            # through numpy: torch.tensor parses a list item by item (18 µs for 300 ids, 5 this way)
+            ids = torch.from_numpy(np.array(tokens[: len(hidden)], dtype=np.int64)).to(hidden.device)
             rows = hidden.detach().to(self.dtype, copy=True)
         self.add(Entry(step, ids, rows, response_start, complete=len(hidden) == len(tokens)))
         return True

@@ -203,6 +203,7 @@ class EagleProposer(Proposer):
             H = self.drafter.config.hidden_size
             self.features = torch.zeros(slots, max_len, H, dtype=w.dtype, device=w.device)
             self.next_tokens = torch.zeros(slots, max_len, dtype=torch.long, device=w.device)
+            self.slot_rows = torch.arange(slots, device=w.device) * max_len  # slot s's first flat row
         # A draft extend right-pads every request to the longest backlog in the batch (a
         # late-admitted request's whole prompt), so drafter rows reach up to twice max_len.
         c = self.cache
@@ -215,17 +216,20 @@ class EagleProposer(Proposer):
             self.drafted[r.slot] = 0
 
     def observe(self, slots, positions, hidden, next_tokens) -> None:
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None] if isinstance(slots, slice) \
-            else slots[:, None]
-        positions = positions.clamp(max=self.features.shape[1] - 1)
-        self.features[rows, positions] = hidden.to(self.features.dtype)
-        self.next_tokens[rows, positions] = next_tokens
+        # One flat index and two index_copy_ calls: a plain step calls this once per token, and
+        # (slot, position) advanced indexing took twice as long (~14 µs against ~8 on a CPU).
+        S, L, H = self.features.shape
+        first = self.slot_rows[: positions.shape[0]] if isinstance(slots, slice) else slots * L
+        index = (first[:, None] + positions.clamp(max=L - 1)).flatten()
+        self.features.view(S * L, H).index_copy_(0, index, hidden.reshape(-1, H).to(self.features.dtype))
+        self.next_tokens.view(S * L).index_copy_(0, index, next_tokens.reshape(-1))
 
     def hidden_of(self, slot: int, rows: int) -> torch.Tensor:
         return self.features[slot, :rows]
 
     def move_slot(self, src: int, dst: int, rows: int) -> None:
-        self.cache.copy_slot(src, dst, self.drafted[src])
+        if self.drafted[src]:  # in plain decoding nothing is drafted: the drafter's cache is empty
+            self.cache.copy_slot(src, dst, self.drafted[src])
         self.features[dst, :rows] = self.features[src, :rows]
         self.next_tokens[dst, :rows] = self.next_tokens[src, :rows]
         self.drafted[dst] = self.drafted[src]
