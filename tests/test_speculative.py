@@ -325,30 +325,48 @@ def test_an_eager_chain_drafts_what_the_drafter_drafts_without_a_cache(target, s
     """Each level of a chain (its rows, positions, masks and rotations built for all levels at
     once) drafts the top token of the drafter's training pass, no cache, over the request's
     pairs followed by the levels before it: (ĥ, draft) pairs at the next positions. Requests
-    of different lengths and backlogs, so each row's levels sit at its own positions, one of
-    them moved to a lower slot after its catch-up, as the engine compacts the batch when a
-    request finishes. Random drafters: a trained one's top token barely depends on what it
-    attends to."""
+    of different lengths and backlogs, so each row's levels sit at its own positions; their
+    pairs come from a prefill, plain steps (which the proposer queues) and, each request's
+    last pair, an SD step that accepted nothing (queued too: one pair per request), and
+    requests move to lower slots as the engine compacts the batch, one before the catch-up
+    with pairs still queued and one after, with its drafter rows. Random drafters: a trained
+    one's top token barely depends on what it attends to."""
     drafter = init_drafter(target, std=std)
     g = torch.Generator().manual_seed(2)
-    features = torch.randn(4, 20, target.config.hidden_size, generator=g, dtype=torch.float64)
-    tokens = torch.randint(5, 100, (4, 20), generator=g)
-    cached = (12, 7, 15, 10)
-    running = [SimpleNamespace(slot=i, cached=c, prompt_index=i) for i, c in enumerate(cached)]
+    features = torch.randn(5, 20, target.config.hidden_size, generator=g, dtype=torch.float64)
+    tokens = torch.randint(5, 100, (5, 20), generator=g)
+    requests = [SimpleNamespace(slot=i, cached=c, prompt_index=i) for i, c in enumerate((14, 7, 18, 12, 10))]
+    r0, r1, r2, r3, r4 = requests
+    last = torch.tensor([r.cached - 1 for r in requests])
+
+    def plain(p, rows):  # one plain step's pairs of the requests in slots 0, 1, ...; zeros for a last pair
+        seen = p < last[rows, None]
+        proposer.observe(slice(0, len(rows)), torch.full((len(rows), 1), p), features[rows, p:p + 1] * seen[..., None],
+                         tokens[rows, p:p + 1] * seen)
+
+    def move(r, slot):  # compaction: r takes the slot of a request that finished
+        proposer.move_slot(r.slot, slot, r.cached)
+        r.slot = slot
+
     with torch.inference_mode():
         proposer = EagleProposer(drafter)
-        proposer.reserve(4, 32)
-        proposer.observe(slice(0, 4), torch.arange(20).expand(4, 20), features, tokens)
-        proposer.catch_up(running)
-        proposer.drafted[:4] = [c - k for c, k in zip(cached, (1, 3, 2, 2))]
-        proposer.move_slot(3, 1, cached[3])  # request 1 finished: request 3 takes its slot
-        running[3].slot = 1
-        running = [running[0], running[3], running[2]]
+        proposer.reserve(5, 32)
+        proposer.observe(slice(0, 5), torch.arange(6).expand(5, 6), features[:, :6], tokens[:, :6])  # a prefill
+        for p in range(6, 10):
+            plain(p, [0, 1, 2, 3, 4])
+        move(r4, 1)  # r1 finished
+        for p in range(10, 20):
+            plain(p, [0, 4, 2, 3])
+        proposer.catch_up([r0, r4, r2, r3])
+        move(r3, 0)  # r0 finished
+        running = [r3, r4, r2]
+        rows = last[[3, 4, 2]]
+        proposer.observe(slice(0, 3), rows[:, None], features[[3, 4, 2], rows][:, None], tokens[[3, 4, 2], rows][:, None])
         cached = [r.cached for r in running]
+        proposer.drafted[:3] = [c - k for c, k in zip(cached, (1, 3, 2))]
         drafts = proposer.propose(running, torch.tensor(cached), Strategy.parse("4_1_5")).tokens[:, 1:]
-        features, tokens = features[[0, 3, 2]], tokens[[0, 3, 2]]
-        for i, c in enumerate(cached):
-            ids, hidden = tokens[i, :c], features[i, :c]
+        for i, (row, c) in enumerate(zip((3, 4, 2), cached)):
+            ids, hidden = tokens[row, :c], features[row, :c]
             expected = []
             for _ in range(4):
                 logits, out = drafter(ids[None], hidden[None])
@@ -423,6 +441,26 @@ def test_the_prefill_hands_the_proposer_each_prompts_pairs_and_first_token(targe
         p = prompts[c.prompt_index]
         row = next(r for r in rows if r[: len(p)] == p[1:] + c.token_ids)
         rows.remove(row)
+
+
+def test_a_slot_taken_by_a_new_request_holds_only_its_pairs(target):
+    """Plain steps' pairs wait in a queue; when their request finishes in the last slot (no
+    move, no hidden states kept) and a new request's prefill takes the slot, the old request's
+    queued pairs never land over the new one's."""
+    g = torch.Generator().manual_seed(3)
+    H = target.config.hidden_size
+    old, new = torch.randn(2, 8, H, generator=g), torch.randn(1, 12, H, generator=g)
+    with torch.inference_mode():
+        proposer = EagleProposer(init_drafter(target))
+        proposer.reserve(2, 16)
+        proposer.observe(slice(0, 2), torch.arange(4).expand(2, 4), old[:, :4], torch.ones(2, 4, dtype=torch.long))
+        for p in range(4, 8):
+            proposer.observe(slice(0, 2), torch.full((2, 1), p), old[:, p:p + 1], torch.ones(2, 1, dtype=torch.long))
+        proposer.admit([SimpleNamespace(slot=1)])  # slot 1's request finished; a new one took it
+        proposer.observe(torch.tensor([1]), torch.arange(12)[None], new, torch.ones(1, 12, dtype=torch.long))
+        dtype = proposer.features.dtype
+        torch.testing.assert_close(proposer.hidden_of(1, 12), new[0].to(dtype))
+        torch.testing.assert_close(proposer.hidden_of(0, 8), old[0].to(dtype))
 
 
 @pytest.mark.parametrize("strategy,group_tokens", [("4_1_5", 0), ("4_2_8", 0), ("4_1_5", None)])
