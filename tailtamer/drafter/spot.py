@@ -2,10 +2,10 @@
 
 A worker whose rollout shard is done trains the drafter on the DataBuffer until it is told to
 stop; it checks the stop signal before every drafter step's forward and its backward, so it is
-preempted within about half a step and never delays the policy update. Each step packs buffer samples into one row (no padding,
-no cross-sample attention) and applies the warm-up's EAGLE loss. A selective asynchronous
-checkpoint copies only the drafter's own tensors (never the shared embedding / LM head) and
-writes them from a background thread (TLT §2.2).
+preempted within about half a step and never delays the policy update. Each step packs
+buffer samples into one row (no padding, no cross-sample attention) and applies the warm-up's
+EAGLE loss. A selective asynchronous checkpoint copies only the drafter's own tensors (never
+the shared embedding / LM head) and writes them from a background thread (TLT §2.2).
 """
 
 from __future__ import annotations

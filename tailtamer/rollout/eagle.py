@@ -183,7 +183,8 @@ class EagleProposer(Proposer):
         self.features = None  # (slots, max_len, H): h_j of each committed position j
         self.next_tokens = None  # (slots, max_len): x_{j+1}
         self.drafted: list[int] = []  # per slot: pairs the drafter's cache holds
-        self.queued: list[tuple] = []  # plain steps' observations not yet written (`observe`)
+        self.slot_rows = None  # (slots,): each slot's first row in the flattened features
+        self.queued: list[tuple] = []  # one-pair observations not yet written (`observe`)
 
     @property
     def setup_s(self) -> float:
@@ -204,7 +205,7 @@ class EagleProposer(Proposer):
             H = self.drafter.config.hidden_size
             self.features = torch.zeros(slots, max_len, H, dtype=w.dtype, device=w.device)
             self.next_tokens = torch.zeros(slots, max_len, dtype=torch.long, device=w.device)
-            self.slot_rows = torch.arange(slots, device=w.device) * max_len  # slot s's first flat row
+            self.slot_rows = torch.arange(slots, device=w.device) * max_len
         # A draft extend right-pads every request to the longest backlog in the batch (a
         # late-admitted request's whole prompt), so drafter rows reach up to twice max_len.
         c = self.cache
