@@ -8,7 +8,8 @@
   train_while_idle(should_stop)      on a worker whose rollout shard is done: score the drafter
                                      (and a frozen copy of the warm-up drafter) on the newest
                                      responses neither has trained on, then spot-train until
-                                     `should_stop()` (checked before every drafter step);
+                                     `should_stop()` (checked before each drafter step's
+                                     forward and its backward, and between the scores' forwards);
   publish(steps)                     average the workers' drafters, weighted by the steps each
                                      took, so every engine drafts with the same one next step
                                      (started once every worker's training is over, finished

@@ -1,4 +1,4 @@
-"""Spot trainer: drafter training in time the rollout leaves idle, preemptible between steps.
+"""Spot trainer: drafter training in time the rollout leaves idle, preemptible within a step.
 
 A worker whose rollout shard is done trains the drafter on the DataBuffer until it is told to
 stop; it checks the stop signal before every drafter step's forward and its backward, so it is
