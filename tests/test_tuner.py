@@ -1,6 +1,7 @@
-"""BEG-MAB strategy selection: grouping, bucketing, windowing, exploration, the no-SD arm;
-and the adaptive engine that uses it."""
+"""BEG-MAB strategy selection: grouping, bucketing, the sliding window, the confidence bonus,
+exploration, the no-SD arm; and the adaptive engine that uses it."""
 
+import math
 import random
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 from tailtamer.errors import ConfigError
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig, Speculator, make_speculator
-from tailtamer.rollout.tuner import (NO_SD, BEGTuner, FixedTuner, bucket_of, epsilon_greedy, group_by_verify,
-                                     median_reward)
+from tailtamer.rollout.tuner import (MIN_SPREAD, NO_SD, PRIOR_SPREAD, BEGTuner, FixedTuner, bucket_of, choose,
+                                     group_by_verify, log_spread, median_reward, optimistic_score)
 
 S = Strategy.parse
 
@@ -30,17 +31,50 @@ def test_median_reward_of_an_unpulled_arm_is_infinite():
     assert median_reward([1.0, 100.0, 3.0]) == 3.0
 
 
-def test_epsilon_greedy_exploits_and_explores():
+def test_choose_exploits_and_explores():
     rng = random.Random(0)
-    medians = {"a": 1.0, "b": 5.0, "c": 2.0}
-    assert all(epsilon_greedy(list(medians), medians, 0.0, rng) == "b" for _ in range(50))
-    picks = [epsilon_greedy(list(medians), medians, 1.0, rng) for _ in range(3000)]
-    assert all(800 < picks.count(a) < 1200 for a in medians)
-    assert epsilon_greedy(["only"], {"only": 0.0}, 1.0, rng) == "only"
+    scores = {"a": 1.0, "b": 5.0, "c": 2.0}
+    assert all(choose(list(scores), scores, 0.0, rng) == "b" for _ in range(50))
+    picks = [choose(list(scores), scores, 1.0, rng) for _ in range(3000)]
+    assert all(800 < picks.count(a) < 1200 for a in scores)
+    assert choose(["only"], {"only": 0.0}, 1.0, rng) == "only"
 
 
-def _tuner(**kw):
-    return BEGTuner([S("4_2_8"), S("3_3_8"), S("2_1_3"), S("1_2_3")], [1, 5], epsilon=0.0, window=4, **kw)
+def test_log_spread_is_the_scaled_median_absolute_deviation_of_log_rewards():
+    # residuals ln(r / median of its arm): ±0.1 and 0 for one arm, ±0.3 and 0 for the other
+    arms = [[10 * math.exp(0.1), 10.0, 10 * math.exp(-0.1)], [3 * math.exp(-0.3), 3.0, 3 * math.exp(0.3)]]
+    assert log_spread(arms) == pytest.approx(1.4826 * 0.1)  # median of |0.1, 0, 0.1, 0.3, 0, 0.3|
+    even = [[10 * math.exp(0.2), 10.0, 10 * math.exp(-0.2)], [5 * math.exp(0.2), 5.0, 5 * math.exp(-0.2)]]
+    assert log_spread(even + [[7.0], [8.0]]) == pytest.approx(1.4826 * 0.2)  # one reward shows no spread
+    assert log_spread([[5.0, 5.0], [1.0]]) == PRIOR_SPREAD  # fewer than 4 residuals
+    assert log_spread([[5.0] * 4, [2.0] * 3]) == MIN_SPREAD  # a perfectly quiet class
+
+
+def test_optimistic_score_shrinks_to_the_median_with_more_pulls():
+    assert optimistic_score([], 0.2, 1.0) == float("inf")
+    assert optimistic_score([3.0, 9.0, 4.0], 0.2, 0.0) == 4.0
+    assert optimistic_score([4.0], 0.2, 1.0) == pytest.approx(4.0 * math.exp(0.2))
+    assert optimistic_score([4.0] * 16, 0.2, 2.0) == pytest.approx(4.0 * math.exp(2 * 0.2 / 4))
+
+
+def test_an_arm_unlucky_in_few_pulls_is_tried_again():
+    """The lock-on a kept ε-greedy bandit showed: an arm's one slow pull (a cold start, a busy
+    moment) against another arm's many. Its bonus puts it back in front; greedy on the median
+    it would wait for ε."""
+    def tuner(bonus):
+        t = BEGTuner([S("2_1_3"), S("1_2_3")], [1], window=30, bonus=bonus)
+        t.record(S("2_1_3"), 1, 1.0, 95.0)
+        for reward in (100.0, 120.0, 80.0, 110.0, 90.0):  # σ of the class: 1.4826 · ln(1.1) ≈ 0.14
+            t.record(S("1_2_3"), 1, 1.0, reward)
+        t.record(None, 1, 1.0, 50.0)
+        return t
+
+    assert tuner(1.0).select(1).name == "2_1_3"  # 95 · e^0.14 > 100 · e^(0.14 / √5)
+    assert tuner(0.0).select(1).name == "1_2_3"
+
+
+def _tuner(window=30):
+    return BEGTuner([S("4_2_8"), S("3_3_8"), S("2_1_3"), S("1_2_3")], [1, 5], epsilon=0.0, window=window)
 
 
 def test_each_arm_is_tried_once_then_the_best_median_wins():
@@ -86,13 +120,29 @@ def test_rewards_are_compared_within_a_batch_size_class():
 
 
 def test_the_window_forgets_old_rewards():
-    tuner = _tuner()
-    for arm, reward in [("4_2_8", 900.0), ("3_3_8", 500.0), (NO_SD, 100.0)]:
-        tuner.record(S(arm) if arm != NO_SD else None, 1, 1.0, reward)
+    """An arm is judged by its rewards from the last `window` steps of its class: a drafter
+    gone stale shows within the window, and an arm whose rewards all expired is tried again."""
+    def start(window):
+        tuner = _tuner(window)
+        for arm, reward in [("4_2_8", 900.0), ("3_3_8", 500.0), (NO_SD, 100.0)]:
+            tuner.record(S(arm) if arm != NO_SD else None, 1, 1.0, reward)
+        return tuner
+
+    tuner = start(window=6)
     assert tuner.select(1).name == "4_2_8"
-    for _ in range(4):  # the drafter went stale: 4_2_8 is now slow; window 4 drops the 900
+    for _ in range(3):  # the drafter went stale: 4_2_8 is now slow, and its median shows it
         tuner.record(S("4_2_8"), 1, 1.0, 50.0)
     assert tuner.select(1).name == "3_3_8"
+
+    tuner = start(window=4)
+    for _ in range(3):
+        tuner.record(S("4_2_8"), 1, 1.0, 850.0)
+    assert tuner.select(1).name == "3_3_8"  # step 6: its only reward (step 2) expired: tried again
+    tuner.record(S("3_3_8"), 1, 1.0, 500.0)
+    assert tuner.select(1) is None  # step 7: plain decoding's (step 3) too
+    tuner.record(None, 1, 1.0, 100.0)
+    assert tuner.select(1).name == "4_2_8"  # then the best again
+    assert tuner.summary()["buckets"][0]["classes"][0]["pulls"] == {"4_2_8": 4, "3_3_8": 2, NO_SD: 2}
 
 
 def test_exploration_is_reproducible_from_the_seed():
@@ -110,6 +160,9 @@ def test_exploration_is_reproducible_from_the_seed():
     ({"bucket_thresholds": (1, 9, 3)}, "increase strictly"),
     ({"strategies": ("4_2_8", "bad")}, "not DEPTH_TOPK_VERIFY"),
     ({"epsilon": 2.0}, "epsilon"),
+    ({"bonus": -1.0}, "spec.bonus must be a number >= 0, got -1.0"),
+    ({"bonus": float("nan")}, "spec.bonus must be a number >= 0"),
+    ({"window": 0}, "spec.window must be >= 1"),
     ({"tuner": "ucb"}, "tuner must be beg or fixed"),
     ({"bs_threshold": -1}, "spec.bs_threshold must be >= 0"),
 ])

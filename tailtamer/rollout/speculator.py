@@ -36,11 +36,14 @@ class SpecConfig:
                                        "drafter is attached and trained, for measuring what it costs); unset: "
                                        f"{GPU_BS_THRESHOLD} on a GPU or with tuner=fixed, every batch size on a "
                                        "CPU (the bandit's 'no SD' arm decides)")
-    tuner: str = f("beg", "adaptive: beg (bucketed epsilon-greedy bandit, TLT §2.3) or fixed")
+    tuner: str = f("beg", "adaptive: beg (the bucketed bandit of TLT §2.3, scoring arms by a confidence bound) or fixed")
     strategies: tuple[str, ...] = f(DEFAULT_MAB_STRATEGIES, "beg: the arms (plus 'no SD' in every bucket)")
     bucket_thresholds: tuple[int, ...] = f(DEFAULT_BUCKET_THRESHOLDS, "beg: one per tokens-to-verify group")
-    epsilon: float = f(0.1, "beg: exploration probability")
-    window: int = f(30, "beg: rewards kept per arm and batch-size class (median)")
+    epsilon: float = f(0.0, "beg: probability of a uniformly random arm (the paper's ε-greedy: 0.1 with bonus 0)")
+    window: int = f(60, "beg: an arm is judged by its rewards from the last this many steps of its batch-size "
+                        "class; an arm with none left is tried again")
+    bonus: float = f(1.0, "beg: confidence bonus c: an arm scores median reward · exp(c·σ/√pulls), σ the "
+                          "class's measured spread (0: greedy on the median)")
     seed: int = f(0, "beg: exploration randomness (never the sampling randomness)")
     compile: bool = f(False, "EAGLE: draft chains (DEPTH_1_VERIFY) as one torch.compile graph per batch size "
                              "1/2/4/8 and depth, each compiled when first needed (seconds; cached on disk) and "
@@ -100,7 +103,7 @@ class SpecConfig:
             arms = [Strategy.parse(s) for s in self.strategies]
         except ConfigError as e:
             raise ConfigError(f"spec.strategies: {e}") from None
-        return BEGTuner(arms, list(self.bucket_thresholds), self.epsilon, self.window, self.seed)
+        return BEGTuner(arms, list(self.bucket_thresholds), self.epsilon, self.window, self.seed, self.bonus)
 
 
 @dataclass

@@ -1,28 +1,43 @@
 """Choosing the speculative strategy per decode step from live measurements.
 
-BEG-MAB (bucketed ε-greedy multi-armed bandit; TLT §2.3, fastrl `eagle_mab.py`):
+BEG-MAB (bucketed multi-armed bandit; TLT §2.3, fastrl `eagle_mab.py`):
   - strategies are grouped by tokens-to-verify N, groups sorted by N descending;
   - batch-size thresholds t_1 = 1 < t_2 < ... < t_m split batch sizes into buckets
     B_i = [t_i, t_(i+1) − 1] (the last one open), and bucket i gets the i-th group, so small
     batches verify large trees and larger batches small ones (paper Table 4);
   - every bucket also has the arm "no SD", so a bucket where speculation loses falls back to
     plain decoding and the engine is never slower than plain decoding for long;
-  - within a bucket: with probability ε a uniformly random arm, otherwise the arm with the
-    highest median reward over its last `window` pulls (an arm never pulled scores +∞);
-    reward r = tokens emitted / step seconds (accepted tokens per second). The median keeps
-    one noisy step from deciding;
   - rewards are kept per batch-size class inside a bucket (batch sizes 2^k .. 2^(k+1) − 1),
     and arms are compared within the class of the step: tokens/s depends on the batch size
     as much as on the arm, and a bucket spans 3..64 running requests. Compared across the
     bucket, an arm last pulled at 64 running outscored the others' pulls at 5 running, and
     won steps it should not: stretches of plain steps that made up 30–40% of some rollouts'
-    tokens in the default RL job (measured 2026-12-04, `tailtamer train` traces).
-Unlike the reference defaults (one strategy per bucket, so nothing is learned; fastrl-code.md
+    tokens in the default RL job (measured 2026-12-04, `tailtamer train` traces);
+  - reward r = tokens emitted / step seconds (accepted tokens per second). An arm is judged
+    by its rewards from the last `window` steps of its class (a sliding window, Garivier &
+    Moulines 2011): older ones expire, and an arm with none left is tried again, so evidence
+    from a cold start, a slow stretch of the machine or an older drafter cannot keep an arm
+    out for good;
+  - within a class: the arm with the highest optimistic score median · exp(c·σ/√n)
+    (`optimistic_score`), with probability ε (0 by default) a uniformly random arm instead.
+
+The paper's rule is ε-greedy on the median of an arm's last pulls (ε = 0.1; fastrl's UCB1
+mode adds √(2 ln n / n_i) to a trimmed mean, a bonus in the reward's units, which tokens/s
+are not). Kept from rollout to rollout, as training keeps it, that rule (with 30 pulls an
+arm) locked onto a 38% slower arm for a whole `bench rollout` run (one run of seven,
+2026-12-05): the few pulls of a class seen only in a rollout's first
+steps decided it, and each ε pull there costs up to 30 ms (plain decoding at 512 running).
+Against it, in one process each, 5 interleaved rollouts of that benchmark after a warm-up:
+this rule 1.55–1.64× plain, ε-greedy 1.40–1.60× (8 processes, this one faster in every
+one); a simulation drawing rewards from round-robin pulls of every arm, regret 19 against
+35 ms a rollout, the worst of 1,000 runs 86 against 194 (`docs/measurements.md`). Unlike
+the reference defaults (one strategy per bucket, so nothing is learned; fastrl-code.md
 §3.2), the default groups hold two strategies each plus "no SD".
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections import deque
@@ -56,17 +71,45 @@ def size_class(batch_size: int) -> int:
     return batch_size.bit_length() - 1
 
 
+# σ of a class's log rewards before it has 4 residuals to measure it, and the least σ used: a
+# quiet class still re-tries an arm it has pulled once or twice. Round-robin pulls measured
+# 0.02–0.15 per class on the Xeon (2026-12-05), more with the machine busy.
+PRIOR_SPREAD, MIN_SPREAD = 0.2, 0.05
+
+
 def median_reward(rewards) -> float:
     return statistics.median(rewards) if rewards else float("inf")
 
 
-def epsilon_greedy(arms: list[str], medians: dict[str, float], epsilon: float, rng: random.Random) -> str:
-    """With probability ε a uniform arm, else the best median (ties: the first listed)."""
+def log_spread(rewards: list[list[float]]) -> float:
+    """σ of log rewards around their arm's median, pooled over arms with ≥ 2 rewards:
+    σ = 1.4826 · median |ln(r / median(arm))| (the median absolute deviation scaled to a
+    normal's σ, so one slow step moves it little). PRIOR_SPREAD with fewer than 4 such
+    rewards; never below MIN_SPREAD."""
+    residuals = [abs(math.log(r / m)) for rs in rewards if len(rs) >= 2 for m in (statistics.median(rs),) for r in rs]
+    if len(residuals) < 4:
+        return PRIOR_SPREAD
+    return max(MIN_SPREAD, 1.4826 * statistics.median(residuals))
+
+
+def optimistic_score(rewards: list[float], spread: float, bonus: float) -> float:
+    """An upper confidence bound on an arm's log reward, UCB1's shape (Auer, Cesa-Bianchi &
+    Fischer 2002) with the median for the mean and the class's measured σ:
+        score = median(r) · exp(c · σ / √n)   over the arm's n rewards in the window;
+    +∞ with none, so that arm is tried (again). An arm pulled a few times keeps a chance to
+    show it was unlucky; one pulled often is judged on its median."""
+    if not rewards:
+        return float("inf")
+    return statistics.median(rewards) * math.exp(bonus * spread / math.sqrt(len(rewards)))
+
+
+def choose(arms: list[str], scores: dict[str, float], epsilon: float, rng: random.Random) -> str:
+    """With probability ε a uniform arm, else the best score (ties: the first listed)."""
     if len(arms) == 1:
         return arms[0]
-    if rng.random() < epsilon:
+    if epsilon > 0 and rng.random() < epsilon:
         return rng.choice(arms)
-    return max(arms, key=lambda a: medians[a])
+    return max(arms, key=lambda a: scores[a])
 
 
 class FixedTuner:
@@ -87,21 +130,31 @@ class FixedTuner:
 
 
 @dataclass
-class _Arm:
-    rewards: deque
-    pulls: int = 0
+class _Class:
+    """One batch-size class of a bucket: how many steps it has seen, and per arm its pulls
+    and the (step, reward) of its latest ones."""
+
+    rewards: dict[str, deque]
+    pulls: dict[str, int]
+    steps: int = 0
+
+    def live(self, window: int) -> dict[str, list[float]]:
+        """Per arm, its rewards from the class's last `window` steps."""
+        oldest = self.steps - window
+        return {name: [r for step, r in kept if step > oldest] for name, kept in self.rewards.items()}
 
 
 @dataclass
 class BEGTuner:
     strategies: list[Strategy]
     thresholds: list[int]
-    epsilon: float = 0.1
-    window: int = 30
+    epsilon: float = 0.0
+    window: int = 60
     seed: int = 0
+    bonus: float = 1.0
     groups: list[list[Strategy]] = field(init=False)
     names: list[list[str]] = field(init=False)  # bucket -> its arms' names, "no SD" last
-    arms: list[dict[int, dict[str, _Arm]]] = field(init=False)  # bucket -> size class -> arm
+    classes: list[dict[int, _Class]] = field(init=False)  # bucket -> size class -> its rewards
 
     def __post_init__(self):
         if not self.strategies:
@@ -115,30 +168,40 @@ class BEGTuner:
             raise ConfigError(f"spec.epsilon must be in [0, 1], got {self.epsilon}")
         if self.window < 1:
             raise ConfigError(f"spec.window must be >= 1, got {self.window}")
+        if not 0 <= self.bonus < math.inf:
+            raise ConfigError(f"spec.bonus must be a number >= 0, got {self.bonus}")
         self.rng = random.Random(self.seed)
         self.by_name = {s.name: s for s in self.strategies}
         self.names = [[s.name for s in g] + [NO_SD] for g in self.groups]
-        self.arms = [{} for _ in self.groups]
+        self.classes = [{} for _ in self.groups]
 
-    def _arms(self, batch_size: int) -> dict[str, _Arm]:
-        """The arms of batch_size's bucket, with the rewards of its size class."""
+    def _class(self, batch_size: int) -> _Class:
+        """batch_size's size class within its bucket."""
         i, k = bucket_of(batch_size, self.thresholds), size_class(batch_size)
-        if k not in self.arms[i]:
-            self.arms[i][k] = {name: _Arm(deque(maxlen=self.window)) for name in self.names[i]}
-        return self.arms[i][k]
+        if k not in self.classes[i]:
+            # an arm holds at most `window` rewards from the class's last `window` steps
+            self.classes[i][k] = _Class({n: deque(maxlen=self.window) for n in self.names[i]},
+                                        dict.fromkeys(self.names[i], 0))
+        return self.classes[i][k]
+
+    def scores(self, batch_size: int) -> dict[str, float]:
+        """Each arm's `optimistic_score` in batch_size's class."""
+        live = self._class(batch_size).live(self.window)
+        spread = log_spread(list(live.values()))
+        return {name: optimistic_score(rewards, spread, self.bonus) for name, rewards in live.items()}
 
     def select(self, batch_size: int) -> Strategy | None:
-        arms = self._arms(batch_size)
-        choice = epsilon_greedy(list(arms), {n: median_reward(a.rewards) for n, a in arms.items()},
-                                self.epsilon, self.rng)
+        scores = self.scores(batch_size)
+        choice = choose(list(scores), scores, self.epsilon, self.rng)
         return None if choice == NO_SD else self.by_name[choice]
 
     def record(self, arm: Strategy | None, batch_size: int, seconds: float, tokens: int) -> None:
         if seconds <= 0:
             return
-        entry = self._arms(batch_size)[NO_SD if arm is None else arm.name]
-        entry.rewards.append(tokens / seconds)
-        entry.pulls += 1
+        cls, name = self._class(batch_size), NO_SD if arm is None else arm.name
+        cls.steps += 1
+        cls.rewards[name].append((cls.steps, tokens / seconds))
+        cls.pulls[name] += 1
 
     def bucket_sizes(self, i: int) -> tuple[int, int | None]:
         """Bucket i's batch sizes [t_i, t_(i+1) − 1]; None: the last bucket is open."""
@@ -146,16 +209,16 @@ class BEGTuner:
 
     def summary(self) -> dict:
         """Per bucket: its batch sizes, pulls per arm, and per size class seen the pulls,
-        the median rewards and the best arm."""
+        the median rewards in the window and the best of them."""
         out = []
         for i, names in enumerate(self.names):
             lo, hi = self.bucket_sizes(i)
             classes = []
-            for k, arms in sorted(self.arms[i].items()):
-                medians = {n: median_reward(a.rewards) for n, a in arms.items() if a.rewards}
+            for k, cls in sorted(self.classes[i].items()):
+                medians = {n: median_reward(r) for n, r in cls.live(self.window).items() if r}
                 top = 2 ** (k + 1) - 1 if hi is None else min(hi, 2 ** (k + 1) - 1)
                 classes.append({"batch_sizes": [max(lo, 2 ** k), top],
-                                "pulls": {n: a.pulls for n, a in arms.items()},
+                                "pulls": dict(cls.pulls),
                                 "median_tokens_per_s": {n: round(m, 1) for n, m in medians.items()},
                                 "best": max(medians, key=medians.get) if medians else None})
             pulls = {n: sum(c["pulls"][n] for c in classes) for n in names}
