@@ -282,7 +282,7 @@ def test_compiled_draft_chains_draft_what_eager_chains_draft(target, trained_dra
     proposer = EagleProposer(trained_drafter, compiled=True)
     calls = []
     compiled_fn = proposer.chain.fn
-    proposer.chain.fn = lambda *a: calls.append(a[2].shape[0]) or compiled_fn(*a)
+    proposer.chain.fn = lambda *a: calls.append(a[3].shape[0]) or compiled_fn(*a)
     spec, stats = _generate(target, prompts, params, 4, proposer, "3_1_4")
     _check_compiled(proposer)
     assert proposer.chain.ready == {(1, 3), (2, 3), (4, 3)}

@@ -44,8 +44,8 @@ from tailtamer.atomic import atomic_write, atomic_write_json
 from tailtamer.errors import CheckpointError
 from tailtamer.model.config import ModelConfig
 from tailtamer.model.io import check_finite, check_state_dict, init_weights_, read_json, read_safetensors
-from tailtamer.model.transformer import (DecoderLayer, KVCache, Transformer, decode_inputs, join_fused, rotary,
-                                         split_fused)
+from tailtamer.model.transformer import (DecoderLayer, KVCache, Transformer, causal_inputs, decode_inputs,
+                                         join_fused, rotary, split_fused)
 
 EAGLE_ARCHITECTURES = {"Qwen2ForCausalLM": "Qwen2ForCausalLMEagle", "LlamaForCausalLM": "LlamaForCausalLMEagle",
                        "Qwen3ForCausalLM": "LlamaForCausalLMEagle"}
@@ -110,42 +110,42 @@ class Drafter(nn.Module):
         positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask, span)
         return self._run(input_ids, hidden, positions, mask, (cache.kv[0], view), last)
 
-    def greedy_chain(self, layer_cache: torch.Tensor, cache: KVCache, ids: torch.Tensor, hidden: torch.Tensor,
-                     starts: torch.Tensor, last: torch.Tensor, depth: int, span: int, tables) -> torch.Tensor:
-        """A whole draft chain in one call, written for `torch.compile` (no Python between
-        levels): the extend over pairs (hidden, ids) (B, W) of slots 0..B-1 at rows from
-        `starts` (pairs past `last` are padding), then `greedy_levels` from each row's last
-        pair. Returns the top-1 tokens (B, depth). Padding rows lie where the levels write next
-        or past them, and causal attention never reads them. `layer_cache` is `cache.kv[0]`
-        passed in as its own tensor: taken inside the graph, it is a view of the cache's one
-        tensor for all layers, and a compiled write through it copies that whole tensor back,
-        which costs more than the chain."""
-        positions, mask, view = decode_inputs(ids, cache, slice(0, ids.shape[0]), starts, span=span)
-        logits, h = self._run(ids, hidden, positions, mask, (layer_cache, view), last, tables)
-        return self.greedy_levels(h[:, None], logits, layer_cache, cache, starts + last + 1, depth, span, tables)
+    def greedy_chain(self, layer_cache: torch.Tensor, cache: KVCache, slots, ids: torch.Tensor, hidden: torch.Tensor,
+                     starts: torch.Tensor, last: torch.Tensor, depth: int, span: int, tables=None,
+                     mark=None) -> torch.Tensor:
+        """A whole draft chain, the top-1 tokens (B, depth): the extend over pairs (hidden, ids)
+        (B, W) of `slots` at rows from `starts` (pairs past `last` are padding), then depth - 1
+        levels from each row's last pair, level d + 1 running the pair (ĥ, d-th draft) at
+        drafter row and position starts + last + d: a plain decode step of the drafter, no tree
+        mask, no beam bookkeeping. The extend's and the levels' positions, masks, rotations and
+        cache rows are built at once, as for one call of W + depth - 1 tokens, and each call
+        takes its columns (eager, building them per level was ~30 µs of a ~180 µs level at
+        batch 1, and the extend's own set ~50 µs more). Padding rows lie where the levels write
+        next or past them, and causal attention never reads them. `span` covers every row the
+        chain writes.
 
-    def greedy_levels(self, hidden: torch.Tensor, logits: torch.Tensor, layer_cache: torch.Tensor, cache: KVCache,
-                      rows: torch.Tensor, depth: int, span: int, tables=None, mark=None) -> torch.Tensor:
-        """The `depth` top-1 drafts (B, depth) of a chain from the drafter's output at each
-        slot's last pair (`hidden` (B, 1, H), `logits` (B, V)): level d + 1 runs the pair
-        (ĥ, d-th draft) of slots 0..B-1 at drafter row and position rows + d - 1, attending
-        causally to the rows before it, so it is a plain decode step of the drafter: no tree
-        mask, no beam bookkeeping. The levels' positions, masks, rotations and cache rows are
-        built at once, as for one call of depth - 1 tokens, and each level takes its column
-        (eager, building them per level was ~30 µs of a ~180 µs level at batch 1). `span`
-        covers every row the levels write; `mark(d)`, when given, is called after level d + 1
-        (the eager chain's phase marks)."""
-        tokens = [logits.argmax(-1)]
-        if depth == 1:
-            return tokens[0][:, None]
-        B = logits.shape[0]
-        # decode_inputs reads only the shape and device of its ids
-        positions, masks, views = decode_inputs(rows.new_empty(B, depth - 1), cache, slice(0, B), rows, span=span)
+        Written for `torch.compile` too (`CompiledChain`: no Python between levels, slots
+        0..B-1). `layer_cache` is `cache.kv[0]` passed in as its own tensor: taken inside the
+        graph, it is a view of the cache's one tensor for all layers, and a compiled write
+        through it copies that whole tensor back, which costs more than the chain. `mark(d)`,
+        when given, is called after the extend (d = 0) and after level d + 1 (the eager
+        chain's phase marks)."""
+        B, W = ids.shape
+        dev = ids.device
+        index = torch.cat((starts[:, None] + torch.arange(W, device=dev),
+                           (starts + last + 1)[:, None] + torch.arange(depth - 1, device=dev)), 1)
+        positions, mask, view = causal_inputs(index, cache, slots, span)
         cos, sin = rotary(self.config, positions, self.fc.weight.dtype, tables)
+        x = self._features(ids, hidden, None, mask[:, :, :W], (layer_cache, view.columns(0, W)),
+                           rope=(cos[:, :W], sin[:, :W]))
+        hidden = x[torch.arange(B, device=dev), last][:, None]
+        tokens = [self.target.lm_head(hidden)[:, 0].argmax(-1)]
+        if mark is not None:
+            mark(0)
         for d in range(1, depth):
-            ids, at = tokens[-1][:, None], slice(d - 1, d)
-            hidden = self._features(ids, hidden, None, masks[:, :, at], (layer_cache, views.column(d - 1)),
-                                    rope=(cos[:, at], sin[:, at]))
+            at = slice(W + d - 1, W + d)
+            hidden = self._features(tokens[-1][:, None], hidden, None, mask[:, :, at],
+                                    (layer_cache, view.columns(at.start, at.stop)), rope=(cos[:, at], sin[:, at]))
             tokens.append(self.target.lm_head(hidden)[:, 0].argmax(-1))
             if mark is not None:
                 mark(d)

@@ -198,11 +198,12 @@ class CacheView:
         # built once for every layer: (B, 1, 1) slots, (heads,) heads, (B, q, 1) rows
         return cls(slots, span, (rows[:, None, None], torch.arange(heads, device=index.device), index[:, :, None]))
 
-    def column(self, i: int) -> "CacheView":
-        """The view of a one-token call at column i of this view's index: successive decode
-        steps (a draft chain's levels) share one view's set-up instead of each building its own."""
+    def columns(self, first: int, end: int) -> "CacheView":
+        """The view of a call of the tokens at columns [first, end) of this view's index:
+        successive decode calls (a draft chain's extend and levels) share one view's set-up
+        instead of each building its own."""
         rows, heads, index = self.at
-        return CacheView(self.slots, self.span, (rows, heads, index[:, i:i + 1]))
+        return CacheView(self.slots, self.span, (rows, heads, index[:, first:end]))
 
     def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one
@@ -272,24 +273,31 @@ def decode_inputs(input_ids, cache: KVCache, slots, starts, positions=None, tree
     every layer) and the CacheView of a decode call. `span` = max(starts) + q when the caller
     knows it (reading starts back costs a device sync)."""
     B, q = input_ids.shape
-    dev = input_ids.device
-    index = starts[:, None] + torch.arange(q, device=dev)
-    if positions is None:
-        positions = index
+    index = starts[:, None] + torch.arange(q, device=input_ids.device)
     if span is None:
         span = int(starts.max()) + q
+    if tree_mask is None:
+        return causal_inputs(index, cache, slots, span, positions)
+    window = tree_mask.shape[-1]
+    key = torch.arange(span, device=index.device)
+    rel = key[None, None, :] - (starts + q - window)[:, None, None]  # key index within the window
+    inside = (rel >= 0) & (rel < window)
+    visible = (rel < 0) | (inside & torch.gather(tree_mask, 2, rel.clamp(0, window - 1).expand(B, q, span)))
+    return _masked_inputs(visible, index, cache, slots, span, positions)
+
+
+def causal_inputs(index, cache: KVCache, slots, span: int, positions=None):
+    """`decode_inputs` for new tokens at cache rows `index` (B, q), consecutive or not, each
+    seeing every row up to its own: a draft chain's extend and levels in one set-up."""
+    visible = torch.arange(span, device=index.device) <= index[..., None]
+    return _masked_inputs(visible, index, cache, slots, span, positions)
+
+
+def _masked_inputs(visible, index, cache: KVCache, slots, span: int, positions):
     if span > cache.max_len:
         raise ValueError(f"sequence of {span} tokens exceeds the KV cache length {cache.max_len}")
-    key = torch.arange(span, device=dev)
-    if tree_mask is None:  # causal: each new token sees every row up to its own
-        visible = key <= index[..., None]
-    else:
-        window = tree_mask.shape[-1]
-        rel = key[None, None, :] - (starts + q - window)[:, None, None]  # key index within the window
-        inside = (rel >= 0) & (rel < window)
-        visible = (rel < 0) | (inside & torch.gather(tree_mask, 2, rel.clamp(0, window - 1).expand(B, q, span)))
-    mask = torch.zeros(visible.shape, dtype=cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-    return positions, mask[:, None], CacheView.of(slots, index, span, cache.heads)
+    mask = torch.zeros(visible.shape, dtype=cache.dtype, device=index.device).masked_fill_(~visible, float("-inf"))
+    return index if positions is None else positions, mask[:, None], CacheView.of(slots, index, span, cache.heads)
 
 
 class Transformer(nn.Module):

@@ -22,15 +22,6 @@ from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.stats import PHASES
 
 
-def eagle_chain(drafter, cache, starts: torch.Tensor, root_logits: torch.Tensor, root_hidden: torch.Tensor,
-                pending: torch.Tensor, depth: int, max_start: int) -> Tree:
-    """A chain (strategy D_1_(D+1)), eager: `Drafter.greedy_levels` after the extend, level
-    d + 1 at drafter row and position starts + d - 1."""
-    drafts = drafter.greedy_levels(root_hidden[:, None], root_logits, cache.kv[0], cache, starts, depth,
-                                   max_start + depth, mark=lambda d: PHASES.mark(f"sd: draft level {d + 1}"))
-    return chain_tree(torch.cat((pending[:, None], drafts), 1))
-
-
 def chain_tree(tokens: torch.Tensor) -> Tree:
     """The Tree of chains (B, depth + 1): the pending token, then each level's draft."""
     parents, depths, valid = _chain_shape(tokens.shape[0], tokens.shape[1] - 1, tokens.device)
@@ -163,7 +154,7 @@ class CompiledChain:
         new, t0 = (bucket, depth) not in self.ready, time.perf_counter()
         try:  # dynamo keeps 8 graphs per function by default, fewer than buckets x depths
             with torch._dynamo.config.patch(cache_size_limit=8 * len(BUCKETS)) if new else nullcontext():
-                drafts = self.fn(cache.kv[0], cache, ids, hidden, starts, last, depth, span, tables)[:B]
+                drafts = self.fn(cache.kv[0], cache, slice(0, bucket), ids, hidden, starts, last, depth, span, tables)[:B]
         except Exception as e:  # no C++ compiler, an unsupported op, a bug: the eager chain still works
             self.fn, self.error, drafts = None, f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}", None
         if new or drafts is None:  # compiling (or failing to), charged to no step
@@ -318,35 +309,40 @@ class EagleProposer(Proposer):
         span = max(firsts) + width
         return self.drafter.decode(ids, hidden, self.cache, slots, starts, span=span, last=last)
 
-    def _compiled_chain(self, running: list, pending: torch.Tensor, depth: int) -> Tree | None:
-        """`CompiledChain` where it applies (slots 0..B-1, a compiled bucket, a backlog of at
-        most depth + 1 pairs), else None."""
+    def _chain(self, running: list, pending: torch.Tensor, depth: int) -> Tree:
+        """A chain (strategy D_1_(D+1)): `Drafter.greedy_chain` over each request's backlog,
+        compiled (`CompiledChain`) where it applies (slots 0..B-1, a compiled bucket, a backlog
+        of at most depth + 1 pairs), else eager."""
         slot_ids, ends = [r.slot for r in running], [r.cached for r in running]
-        bucket = self.chain.bucket(len(running), self.cache)
         firsts = [self.drafted[s] for s in slot_ids]
-        if bucket is None or slot_ids != list(range(len(running))) or \
-                max(e - f for f, e in zip(firsts, ends)) > depth + 1:
-            return None
-        span = max(max(firsts) + depth + 1, max(ends) + depth - 1)
-        ids, hidden, starts, last = self._backlog(slot_ids, firsts, ends, depth + 1)
-        drafts = self.chain(self.cache, ids, hidden, starts, last, depth, span, bucket)
-        if drafts is None:  # failed to compile: rewind the backlog for the eager chain
-            for s, first in zip(slot_ids, firsts):
-                self.drafted[s] = first
-            return None
-        PHASES.mark("sd: draft chain (compiled)")
+        width = max(e - f for f, e in zip(firsts, ends))
+        contiguous = slot_ids == list(range(len(running)))
+        bucket = self.chain.bucket(len(running), self.cache) if self.chain is not None else None
+        drafts = None
+        if bucket is not None and contiguous and width <= depth + 1:
+            span = max(max(firsts) + depth + 1, max(ends) + depth - 1)
+            ids, hidden, starts, last = self._backlog(slot_ids, firsts, ends, depth + 1)
+            drafts = self.chain(self.cache, ids, hidden, starts, last, depth, span, bucket)
+            if drafts is None:  # failed to compile: rewind the backlog for the eager chain
+                for s, first in zip(slot_ids, firsts):
+                    self.drafted[s] = first
+            else:
+                PHASES.mark("sd: draft chain (compiled)")
+        if drafts is None:
+            slots = slice(0, len(running)) if contiguous else torch.tensor(slot_ids, device=self.features.device)
+            ids, hidden, starts, last = self._backlog(slot_ids, firsts, ends, width)
+            drafts = self.drafter.greedy_chain(
+                self.cache.kv[0], self.cache, slots, ids, hidden, starts, last, depth,
+                max(max(firsts) + width, max(ends) + depth - 1),
+                mark=lambda d: PHASES.mark(f"sd: draft level {d + 1}" if d else "sd: drafter extend (draft level 1)"))
         return chain_tree(torch.cat((pending[:, None], drafts), 1))
 
     def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
         self._flush()  # an SD step that accepted no draft observed one pair per request: queued
         pending = self.next_tokens[torch.arange(len(running), device=starts.device), starts - 1]
-        if self.chain is not None and strategy.topk == 1:
-            tree = self._compiled_chain(running, pending, strategy.depth)
-            if tree is not None:
-                return tree
+        if strategy.topk == 1:
+            return self._chain(running, pending, strategy.depth)
         logits, out = self._extend(running, [r.cached for r in running])
         PHASES.mark("sd: drafter extend (draft level 1)")
-        B, top = len(running), max(r.cached for r in running)
-        if strategy.topk == 1:
-            return eagle_chain(self.drafter, self.cache, starts, logits, out, pending, strategy.depth, top)
-        return eagle_tree(self.drafter, self.cache, B, starts, logits, out, pending, strategy, top)
+        return eagle_tree(self.drafter, self.cache, len(running), starts, logits, out, pending, strategy,
+                          max(r.cached for r in running))
