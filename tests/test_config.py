@@ -62,6 +62,9 @@ def test_yaml_1_2_scalars():
     (["spec.strategy=4_2"], "spec.strategy"),
     (["spec.acceptance=typical"], "refused"),
     (["spec.mode=on", "spec.epsilon=2"], "spec.epsilon must be in [0, 1], got 2"),  # checked where unused too
+    (["spec.bonus=-1"], "spec.bonus must be a number >= 0, got -1.0"),
+    (["spec.bonus=.inf"], "spec.bonus"),
+    (["spec.window=0"], "spec.window must be more than the 3 arms of a bucket, got 0"),
     (["spec.mode=off", "spec.strategies=[4_2_8, 9]"], "spec.strategies"),
     (["rl.lr"], "not KEY=VALUE"),
     (["rl.reward=[math, builtin]", "rl.reward_weights=[1]"], "rl.reward_weights: 1 weights for 2 reward functions"),

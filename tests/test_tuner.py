@@ -3,6 +3,7 @@ exploration, the no-SD arm; and the adaptive engine that uses it."""
 
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from tailtamer.errors import ConfigError
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig, Speculator, make_speculator
 from tailtamer.rollout.tuner import (MIN_SPREAD, NO_SD, PRIOR_SPREAD, BEGTuner, FixedTuner, bucket_of, choose,
-                                     group_by_verify, log_spread, median_reward, optimistic_score)
+                                     group_by_verify, log_spread, optimistic_score)
 
 S = Strategy.parse
 
@@ -26,11 +27,6 @@ def test_buckets(bs, bucket):
     assert bucket_of(bs, [1, 3, 9]) == bucket
 
 
-def test_median_reward_of_an_unpulled_arm_is_infinite():
-    assert median_reward([]) == float("inf")
-    assert median_reward([1.0, 100.0, 3.0]) == 3.0
-
-
 def test_choose_exploits_and_explores():
     rng = random.Random(0)
     scores = {"a": 1.0, "b": 5.0, "c": 2.0}
@@ -41,20 +37,24 @@ def test_choose_exploits_and_explores():
 
 
 def test_log_spread_is_the_scaled_median_absolute_deviation_of_log_rewards():
+    def spread(arms):
+        return log_spread([[math.log(r) for r in a] for a in arms], [statistics.median(a) for a in arms])
+
     # residuals ln(r / median of its arm): ±0.1 and 0 for one arm, ±0.3 and 0 for the other
     arms = [[10 * math.exp(0.1), 10.0, 10 * math.exp(-0.1)], [3 * math.exp(-0.3), 3.0, 3 * math.exp(0.3)]]
-    assert log_spread(arms) == pytest.approx(1.4826 * 0.1)  # median of |0.1, 0, 0.1, 0.3, 0, 0.3|
+    assert spread(arms) == pytest.approx(1.4826 * 0.1)  # median of |0.1, 0, 0.1, 0.3, 0, 0.3|
     even = [[10 * math.exp(0.2), 10.0, 10 * math.exp(-0.2)], [5 * math.exp(0.2), 5.0, 5 * math.exp(-0.2)]]
-    assert log_spread(even + [[7.0], [8.0]]) == pytest.approx(1.4826 * 0.2)  # one reward shows no spread
-    assert log_spread([[5.0, 5.0], [1.0]]) == PRIOR_SPREAD  # fewer than 4 residuals
-    assert log_spread([[5.0] * 4, [2.0] * 3]) == MIN_SPREAD  # a perfectly quiet class
+    assert spread(even + [[7.0], [8.0]]) == pytest.approx(1.4826 * 0.2)  # one reward shows no spread
+    assert spread([[5.0, 5.0], [1.0]]) == PRIOR_SPREAD  # fewer than 4 residuals
+    assert spread([[5.0, 5.0 * math.exp(0.3), 5.0 * math.exp(-0.3)]]) == PRIOR_SPREAD
+    assert spread([[5.0] * 4, [2.0] * 3]) == MIN_SPREAD  # a perfectly quiet class
 
 
 def test_optimistic_score_shrinks_to_the_median_with_more_pulls():
-    assert optimistic_score([], 0.2, 1.0) == float("inf")
-    assert optimistic_score([3.0, 9.0, 4.0], 0.2, 0.0) == 4.0
-    assert optimistic_score([4.0], 0.2, 1.0) == pytest.approx(4.0 * math.exp(0.2))
-    assert optimistic_score([4.0] * 16, 0.2, 2.0) == pytest.approx(4.0 * math.exp(2 * 0.2 / 4))
+    assert optimistic_score(math.nan, 0, 0.2, 1.0) == float("inf")
+    assert optimistic_score(4.0, 3, 0.2, 0.0) == 4.0
+    assert optimistic_score(4.0, 1, 0.2, 1.0) == pytest.approx(4.0 * math.exp(0.2))
+    assert optimistic_score(4.0, 16, 0.2, 2.0) == pytest.approx(4.0 * math.exp(2 * 0.2 / 4))
 
 
 def test_an_arm_unlucky_in_few_pulls_is_tried_again():
@@ -64,13 +64,29 @@ def test_an_arm_unlucky_in_few_pulls_is_tried_again():
     def tuner(bonus):
         t = BEGTuner([S("2_1_3"), S("1_2_3")], [1], window=30, bonus=bonus)
         t.record(S("2_1_3"), 1, 1.0, 95.0)
-        for reward in (100.0, 120.0, 80.0, 110.0, 90.0):  # σ of the class: 1.4826 · ln(1.1) ≈ 0.14
+        for reward in (100.0, 120.0, 80.0, 110.0, 90.0):  # σ of the class: 1.4826 · |ln 0.9| ≈ 0.16
             t.record(S("1_2_3"), 1, 1.0, reward)
         t.record(None, 1, 1.0, 50.0)
         return t
 
-    assert tuner(1.0).select(1).name == "2_1_3"  # 95 · e^0.14 > 100 · e^(0.14 / √5)
+    assert tuner(1.0).select(1).name == "2_1_3"  # 95 · e^0.16 > 100 · e^(0.16 / √5)
     assert tuner(0.0).select(1).name == "1_2_3"
+
+
+def test_the_bonus_scales_with_the_measured_spread():
+    """One pull at 90 against five around 100: in a quiet class (σ at its floor, 0.05) it is
+    not tried again (90 · e^0.05 < 100 · e^(0.05 / √5)); in a class whose rewards spread
+    (σ = 1.4826 · 0.15 ≈ 0.22) it is (90 · e^0.22 > 100 · e^(0.22 / √5))."""
+    def choice(spread):
+        tuner = BEGTuner([S("2_1_3"), S("1_2_3")], [1], window=30)
+        for e in (0, spread, -spread, spread, -spread):
+            tuner.record(S("1_2_3"), 1, 1.0, 100.0 * math.exp(e))
+        tuner.record(S("2_1_3"), 1, 1.0, 90.0)
+        tuner.record(None, 1, 1.0, 50.0)
+        return tuner.select(1).name
+
+    assert choice(0.0) == "1_2_3"
+    assert choice(0.15) == "2_1_3"
 
 
 def _tuner(window=30):
@@ -86,7 +102,7 @@ def test_each_arm_is_tried_once_then_the_best_median_wins():
         name = arm.name if arm else NO_SD
         seen.append(name)
         tuner.record(arm, 2, 1.0, speed[name])
-    assert set(seen[:3]) == {"4_2_8", "3_3_8", NO_SD}  # unexplored arms score +inf
+    assert seen[:3] == ["4_2_8", "3_3_8", NO_SD]  # unexplored arms score +inf, tried in list order
     assert seen[3:] == ["3_3_8"] * 7
     # Batch size 7 is in the other bucket, whose arms are the verify-3 group and plain decoding.
     assert {getattr(_tuner().select(7), "name", NO_SD) for _ in range(1)} <= {"2_1_3", "1_2_3", NO_SD}
@@ -137,12 +153,18 @@ def test_the_window_forgets_old_rewards():
     tuner = start(window=4)
     for _ in range(3):
         tuner.record(S("4_2_8"), 1, 1.0, 850.0)
-    assert tuner.select(1).name == "3_3_8"  # step 6: its only reward (step 2) expired: tried again
+    assert tuner.scores(1)[NO_SD] < math.inf  # step 6: plain decoding's reward (step 3) still counts
+    assert tuner.select(1).name == "3_3_8"  # but 3_3_8's only reward (step 2) expired: tried again
     tuner.record(S("3_3_8"), 1, 1.0, 500.0)
     assert tuner.select(1) is None  # step 7: plain decoding's (step 3) too
     tuner.record(None, 1, 1.0, 100.0)
     assert tuner.select(1).name == "4_2_8"  # then the best again
     assert tuner.summary()["buckets"][0]["classes"][0]["pulls"] == {"4_2_8": 4, "3_3_8": 2, NO_SD: 2}
+
+    tuner = _tuner(window=5)
+    for reward in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        tuner.record(S("4_2_8"), 1, 1.0, reward)
+    assert tuner.summary()["buckets"][0]["classes"][0]["median_tokens_per_s"] == {"4_2_8": 4.0}  # of 2..6
 
 
 def test_exploration_is_reproducible_from_the_seed():
@@ -162,7 +184,7 @@ def test_exploration_is_reproducible_from_the_seed():
     ({"epsilon": 2.0}, "epsilon"),
     ({"bonus": -1.0}, "spec.bonus must be a number >= 0, got -1.0"),
     ({"bonus": float("nan")}, "spec.bonus must be a number >= 0"),
-    ({"window": 0}, "spec.window must be >= 1"),
+    ({"window": 3}, "spec.window must be more than the 3 arms of a bucket, got 3"),
     ({"tuner": "ucb"}, "tuner must be beg or fixed"),
     ({"bs_threshold": -1}, "spec.bs_threshold must be >= 0"),
 ])

@@ -39,11 +39,12 @@ class SpecConfig:
     tuner: str = f("beg", "adaptive: beg (the bucketed bandit of TLT §2.3, scoring arms by a confidence bound) or fixed")
     strategies: tuple[str, ...] = f(DEFAULT_MAB_STRATEGIES, "beg: the arms (plus 'no SD' in every bucket)")
     bucket_thresholds: tuple[int, ...] = f(DEFAULT_BUCKET_THRESHOLDS, "beg: one per tokens-to-verify group")
-    epsilon: float = f(0.0, "beg: probability of a uniformly random arm (the paper's ε-greedy: 0.1 with bonus 0)")
+    epsilon: float = f(0.0, "beg: probability of a uniformly random arm (close to the paper's ε-greedy: 0.1 "
+                            "with bonus 0)")
     window: int = f(60, "beg: an arm is judged by its rewards from the last this many steps of its batch-size "
-                        "class; an arm with none left is tried again")
-    bonus: float = f(1.0, "beg: confidence bonus c: an arm scores median reward · exp(c·σ/√pulls), σ the "
-                          "class's measured spread (0: greedy on the median)")
+                        "class (more than a bucket's arms); an arm with none left is tried again")
+    bonus: float = f(1.0, "beg: confidence bonus c: an arm scores median · exp(c·σ/√n) over its n rewards in "
+                          "the window, σ the class's measured spread of log rewards (0: greedy on the median)")
     seed: int = f(0, "beg: exploration randomness (never the sampling randomness)")
     compile: bool = f(False, "EAGLE: draft chains (DEPTH_1_VERIFY) as one torch.compile graph per batch size "
                              "1/2/4/8 and depth, each compiled when first needed (seconds; cached on disk) and "

@@ -77,30 +77,28 @@ def size_class(batch_size: int) -> int:
 PRIOR_SPREAD, MIN_SPREAD = 0.2, 0.05
 
 
-def median_reward(rewards) -> float:
-    return statistics.median(rewards) if rewards else float("inf")
-
-
-def log_spread(rewards: list[list[float]]) -> float:
+def log_spread(log_rewards: list[list[float]], medians: list[float]) -> float:
     """σ of log rewards around their arm's median, pooled over arms with ≥ 2 rewards:
-    σ = 1.4826 · median |ln(r / median(arm))| (the median absolute deviation scaled to a
-    normal's σ, so one slow step moves it little). PRIOR_SPREAD with fewer than 4 such
-    rewards; never below MIN_SPREAD."""
-    residuals = [abs(math.log(r / m)) for rs in rewards if len(rs) >= 2 for m in (statistics.median(rs),) for r in rs]
+        σ = 1.4826 · median |ln r − ln median(arm)|
+    (the median absolute deviation scaled to a normal's σ, Rousseeuw & Croux 1993, so one
+    slow step moves it little). PRIOR_SPREAD with fewer than 4 such rewards; never below
+    MIN_SPREAD. Takes the rewards' logs (`ln r`), which a caller keeps from step to step."""
+    residuals = [abs(lr - lm) for lrs, m in zip(log_rewards, medians) if len(lrs) >= 2
+                 for lm in (math.log(m),) for lr in lrs]
     if len(residuals) < 4:
         return PRIOR_SPREAD
     return max(MIN_SPREAD, 1.4826 * statistics.median(residuals))
 
 
-def optimistic_score(rewards: list[float], spread: float, bonus: float) -> float:
+def optimistic_score(median: float, n: int, spread: float, bonus: float) -> float:
     """An upper confidence bound on an arm's log reward, UCB1's shape (Auer, Cesa-Bianchi &
     Fischer 2002) with the median for the mean and the class's measured σ:
         score = median(r) · exp(c · σ / √n)   over the arm's n rewards in the window;
     +∞ with none, so that arm is tried (again). An arm pulled a few times keeps a chance to
     show it was unlucky; one pulled often is judged on its median."""
-    if not rewards:
+    if n == 0:
         return float("inf")
-    return statistics.median(rewards) * math.exp(bonus * spread / math.sqrt(len(rewards)))
+    return median * math.exp(bonus * spread / math.sqrt(n))
 
 
 def choose(arms: list[str], scores: dict[str, float], epsilon: float, rng: random.Random) -> str:
@@ -132,16 +130,24 @@ class FixedTuner:
 @dataclass
 class _Class:
     """One batch-size class of a bucket: how many steps it has seen, and per arm its pulls
-    and the (step, reward) of its latest ones."""
+    and the (step, reward, ln reward) of those from the class's last `window` steps."""
 
     rewards: dict[str, deque]
     pulls: dict[str, int]
     steps: int = 0
 
-    def live(self, window: int) -> dict[str, list[float]]:
-        """Per arm, its rewards from the class's last `window` steps."""
-        oldest = self.steps - window
-        return {name: [r for step, r in kept if step > oldest] for name, kept in self.rewards.items()}
+    def record(self, name: str, reward: float, window: int) -> None:
+        self.steps += 1
+        self.rewards[name].append((self.steps, reward, math.log(reward)))
+        self.pulls[name] += 1
+        for kept in self.rewards.values():  # expire what left the window: a select reads only the rest
+            while kept and kept[0][0] <= self.steps - window:
+                kept.popleft()
+
+    def medians(self) -> dict[str, tuple[float, int]]:
+        """Per arm, the median of its rewards in the window and how many there are."""
+        return {name: (statistics.median(r for _, r, _ in kept) if kept else math.nan, len(kept))
+                for name, kept in self.rewards.items()}
 
 
 @dataclass
@@ -166,8 +172,9 @@ class BEGTuner:
         validate_buckets(self.groups, self.thresholds)
         if not 0 <= self.epsilon <= 1:
             raise ConfigError(f"spec.epsilon must be in [0, 1], got {self.epsilon}")
-        if self.window < 1:
-            raise ConfigError(f"spec.window must be >= 1, got {self.window}")
+        most = max(len(g) + 1 for g in self.groups)  # a bucket's arms, "no SD" included
+        if self.window <= most:  # or a reward expires before the other arms have had a turn each
+            raise ConfigError(f"spec.window must be more than the {most} arms of a bucket, got {self.window}")
         if not 0 <= self.bonus < math.inf:
             raise ConfigError(f"spec.bonus must be a number >= 0, got {self.bonus}")
         self.rng = random.Random(self.seed)
@@ -179,16 +186,16 @@ class BEGTuner:
         """batch_size's size class within its bucket."""
         i, k = bucket_of(batch_size, self.thresholds), size_class(batch_size)
         if k not in self.classes[i]:
-            # an arm holds at most `window` rewards from the class's last `window` steps
-            self.classes[i][k] = _Class({n: deque(maxlen=self.window) for n in self.names[i]},
-                                        dict.fromkeys(self.names[i], 0))
+            self.classes[i][k] = _Class({n: deque() for n in self.names[i]}, dict.fromkeys(self.names[i], 0))
         return self.classes[i][k]
 
     def scores(self, batch_size: int) -> dict[str, float]:
         """Each arm's `optimistic_score` in batch_size's class."""
-        live = self._class(batch_size).live(self.window)
-        spread = log_spread(list(live.values()))
-        return {name: optimistic_score(rewards, spread, self.bonus) for name, rewards in live.items()}
+        cls = self._class(batch_size)
+        medians = cls.medians()
+        logs = [[lr for _, _, lr in kept] for kept in cls.rewards.values()]
+        spread = log_spread(logs, [m for m, _ in medians.values()])
+        return {name: optimistic_score(m, n, spread, self.bonus) for name, (m, n) in medians.items()}
 
     def select(self, batch_size: int) -> Strategy | None:
         scores = self.scores(batch_size)
@@ -196,12 +203,9 @@ class BEGTuner:
         return None if choice == NO_SD else self.by_name[choice]
 
     def record(self, arm: Strategy | None, batch_size: int, seconds: float, tokens: int) -> None:
-        if seconds <= 0:
+        if not (seconds > 0 and tokens > 0):  # rewards are compared as logs: only positive ones
             return
-        cls, name = self._class(batch_size), NO_SD if arm is None else arm.name
-        cls.steps += 1
-        cls.rewards[name].append((cls.steps, tokens / seconds))
-        cls.pulls[name] += 1
+        self._class(batch_size).record(NO_SD if arm is None else arm.name, tokens / seconds, self.window)
 
     def bucket_sizes(self, i: int) -> tuple[int, int | None]:
         """Bucket i's batch sizes [t_i, t_(i+1) − 1]; None: the last bucket is open."""
@@ -215,7 +219,7 @@ class BEGTuner:
             lo, hi = self.bucket_sizes(i)
             classes = []
             for k, cls in sorted(self.classes[i].items()):
-                medians = {n: median_reward(r) for n, r in cls.live(self.window).items() if r}
+                medians = {name: m for name, (m, n) in cls.medians().items() if n}
                 top = 2 ** (k + 1) - 1 if hi is None else min(hi, 2 ** (k + 1) - 1)
                 classes.append({"batch_sizes": [max(lo, 2 ** k), top],
                                 "pulls": dict(cls.pulls),
