@@ -311,15 +311,16 @@ class EagleProposer(Proposer):
 
     def _chain(self, running: list, pending: torch.Tensor, depth: int) -> Tree:
         """A chain (strategy D_1_(D+1)): `Drafter.greedy_chain` over each request's backlog,
-        compiled (`CompiledChain`) where it applies (slots 0..B-1, a compiled bucket, a backlog
-        of at most depth + 1 pairs), else eager."""
+        compiled (`CompiledChain`) where it applies (a compiled bucket, a backlog of at most
+        depth + 1 pairs), else eager."""
         slot_ids, ends = [r.slot for r in running], [r.cached for r in running]
+        # the engine keeps a batch in slots 0..B-1 (`Engine._compact`), as `pending` and the verify read it
+        assert slot_ids == list(range(len(running))), slot_ids
         firsts = [self.drafted[s] for s in slot_ids]
         width = max(e - f for f, e in zip(firsts, ends))
-        contiguous = slot_ids == list(range(len(running)))
         bucket = self.chain.bucket(len(running), self.cache) if self.chain is not None else None
         drafts = None
-        if bucket is not None and contiguous and width <= depth + 1:
+        if bucket is not None and width <= depth + 1:
             span = max(max(firsts) + depth + 1, max(ends) + depth - 1)
             ids, hidden, starts, last = self._backlog(slot_ids, firsts, ends, depth + 1)
             drafts = self.chain(self.cache, ids, hidden, starts, last, depth, span, bucket)
@@ -329,10 +330,9 @@ class EagleProposer(Proposer):
             else:
                 PHASES.mark("sd: draft chain (compiled)")
         if drafts is None:
-            slots = slice(0, len(running)) if contiguous else torch.tensor(slot_ids, device=self.features.device)
             ids, hidden, starts, last = self._backlog(slot_ids, firsts, ends, width)
             drafts = self.drafter.greedy_chain(
-                self.cache.kv[0], self.cache, slots, ids, hidden, starts, last, depth,
+                self.cache.kv[0], self.cache, slice(0, len(running)), ids, hidden, starts, last, depth,
                 max(max(firsts) + width, max(ends) + depth - 1),
                 mark=lambda d: PHASES.mark(f"sd: draft level {d + 1}" if d else "sd: drafter extend (draft level 1)"))
         return chain_tree(torch.cat((pending[:, None], drafts), 1))
