@@ -84,14 +84,14 @@ class Drafter(nn.Module):
     def target(self) -> Transformer:
         return self.__dict__["_target"]
 
-    def _features(self, ids, hidden, positions, mask=None, kv=None, tables=None, rope=None):
+    def _features(self, ids, hidden, positions, mask=None, kv=None, rope=None):
         """`rope`: (cos, sin) of `positions` when the caller already has them."""
         x = self.fc(torch.cat((self.target.embed_tokens(ids), hidden.to(self.fc.weight.dtype)), dim=-1))
-        cos, sin = rope if rope is not None else rotary(self.config, positions, x.dtype, tables)
+        cos, sin = rope if rope is not None else rotary(self.config, positions, x.dtype)
         return self.layers[0](x, cos, sin, mask, kv)
 
-    def _run(self, ids, hidden, positions, mask=None, kv=None, last=None, tables=None):
-        x = self._features(ids, hidden, positions, mask, kv, tables)
+    def _run(self, ids, hidden, positions, mask=None, kv=None, last=None):
+        x = self._features(ids, hidden, positions, mask, kv)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]
         return self.target.lm_head(x), x
