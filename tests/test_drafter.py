@@ -228,3 +228,59 @@ def test_soft_ce_matches_cross_entropy_for_one_hot_targets():
     target_logits[0, torch.arange(3), torch.tensor([1, 4, 6])] = 0.0
     _, _, p = eagle_loss(torch.zeros(1, 3, 2), logits, torch.zeros(1, 3, 2), target_logits, torch.ones(1, 3, dtype=torch.bool))
     assert p.item() == pytest.approx(F.cross_entropy(logits[0], torch.tensor([1, 4, 6])).item(), rel=1e-5)
+
+
+def _perturbed_drafter(target, seed):
+    """A random drafter with random biases and norm weights, so that each folded term shows."""
+    drafter = init_drafter(target, seed=seed, std=0.3)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return drafter
+
+
+@pytest.mark.parametrize("arch", [dict(), dict(num_key_value_heads=4),
+                                  dict(architecture="LlamaForCausalLM", attention_bias=True, mlp_bias=True),
+                                  dict(architecture="LlamaForCausalLM", head_dim=24)])
+def test_the_inference_step_computes_what_the_training_pass_does(arch):
+    """`DraftStep` (rotary folded into the q/k projection, the norm's weight into gate/up,
+    transposed weights, fused residuals) against the module path, in float64: every bias
+    (q/k/v, o, MLP), GQA or not, a head_dim other than hidden/heads; and the cache rows it
+    writes are the ones the next call reads."""
+    target = random_model(tiny_config(**arch)).double()
+    drafter = _perturbed_drafter(target, seed=3)
+    seq = torch.randint(5, 100, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, h = target(seq)
+        full, features = drafter(seq[:, 1:], h[:, :-1])
+        cache = drafter.new_cache(2, 64)
+        a, fa = drafter.decode(seq[:, 1:12], h[:, :11], cache, slice(0, 2), torch.tensor([0, 0]))
+        b, fb = drafter.decode(seq[:, 12:21], h[:, 11:20], cache, slice(0, 2), torch.tensor([11, 11]))
+    torch.testing.assert_close(torch.cat([a, b], 1), full, rtol=0, atol=1e-9)
+    torch.testing.assert_close(torch.cat([fa, fb], 1), features, rtol=0, atol=1e-9)
+
+
+def test_the_inference_step_follows_the_drafters_weights():
+    """Its derived weights are rebuilt when the drafter changes in place (an optimizer step, a
+    published average loaded into it) or moves to another dtype: never stale."""
+    target = random_model(tiny_config()).double()
+    drafter, other = _perturbed_drafter(target, seed=3), _perturbed_drafter(target, seed=4)
+    seq = torch.randint(5, 100, (1, 12), generator=torch.Generator().manual_seed(2))
+
+    def agrees():
+        with torch.no_grad():
+            _, h = target(seq)
+            full, _ = drafter(seq[:, 1:], h[:, :-1])
+            step, _ = drafter.decode(seq[:, 1:], h[:, :-1], drafter.new_cache(1, 32), slice(0, 1), torch.tensor([0]))
+        return (step - full).abs().max() / full.abs().max() < (1e-12 if full.dtype == torch.float64 else 1e-5)
+
+    assert agrees()
+    drafter.load_state_dict(other.state_dict())
+    assert agrees()
+    with torch.no_grad():
+        drafter.layers[0].post_attention_layernorm.weight.mul_(2)
+    assert agrees()
+    target.float(), drafter.float()
+    assert drafter.step().fc_t.dtype == torch.float32 and agrees()

@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 
 import tailtamer.rollout.engine as engine_module
 from tailtamer.errors import ConfigError
+from tailtamer.model.draft_step import chain_index
 from tailtamer.model.drafter import init_drafter
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.ngram import NgramProposer
@@ -352,7 +353,8 @@ def test_a_greedy_chain_drafts_and_writes_what_one_decode_call_per_level_does():
         index = (torch.tensor(firsts)[:, None] + torch.arange(width)).clamp(max=19)
         rows = torch.arange(3)[:, None]
         got = drafter.greedy_chain(cache.kv[0], cache, torch.tensor(slot_ids), tokens[rows, index],
-                                   features[rows, index], torch.tensor(firsts), torch.tensor(backlogs) - 1, depth,
+                                   features[rows, index], chain_index(firsts, cached, width, depth, "cpu"),
+                                   torch.tensor(backlogs) - 1, depth,
                                    max(max(firsts) + width, max(cached) + depth - 1))
     assert got.tolist() == expected
     for s, c in zip(slot_ids, cached):  # the committed rows and the levels' rows
@@ -535,3 +537,34 @@ def test_finished_requests_hand_over_the_targets_hidden_states(target, trained_d
             whole = target.hidden_states(torch.tensor([tokens[: len(hidden)]]))[0]
         assert torch.allclose(hidden, whole, rtol=0, atol=1e-9)
     assert short >= len(kept) // 2
+
+
+def test_a_chain_drafts_the_same_from_the_last_steps_pairs_as_from_the_gathered_backlog(target, trained_drafter,
+                                                                                        monkeypatch):
+    """After an SD step the next chain's backlog is that step's verified pairs, read from what
+    it observed instead of gathered back out of the proposer's features: the same drafts at
+    every step (requests finishing, compaction and admissions in between), and the read is
+    taken at most steps."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, n=2, seed=3)
+    prompts = _prompts(5, seed=2)
+
+    def drafts(reuse):
+        proposer, trees = EagleProposer(trained_drafter), []
+        chain = proposer._chain
+
+        def spy(running, depth):
+            if not reuse:
+                proposer.recent = None
+            used = proposer.recent is not None
+            tree = chain(running, depth)
+            trees.append((used, tree))
+            return tree
+
+        monkeypatch.setattr(proposer, "_chain", spy)
+        outputs, _ = _generate(target, prompts, params, 3, proposer, "4_1_5")
+        return [(used, tree.tokens.tolist()) for used, tree in trees], [o.token_ids for o in outputs]
+
+    (reused, out), (gathered, plain_out) = drafts(True), drafts(False)
+    assert out == plain_out
+    assert [t for _, t in reused] == [t for _, t in gathered]
+    assert not any(u for u, _ in gathered) and sum(u for u, _ in reused) > len(reused) / 2

@@ -44,8 +44,8 @@ from tailtamer.atomic import atomic_write, atomic_write_json
 from tailtamer.errors import CheckpointError
 from tailtamer.model.config import ModelConfig
 from tailtamer.model.io import check_finite, check_state_dict, init_weights_, read_json, read_safetensors
-from tailtamer.model.transformer import (DecoderLayer, KVCache, Transformer, causal_inputs, decode_inputs,
-                                         join_fused, rotary, split_fused)
+from tailtamer.model.draft_step import DraftStep
+from tailtamer.model.transformer import DecoderLayer, KVCache, Transformer, decode_inputs, join_fused, rotary, split_fused
 
 EAGLE_ARCHITECTURES = {"Qwen2ForCausalLM": "Qwen2ForCausalLMEagle", "LlamaForCausalLM": "LlamaForCausalLMEagle",
                        "Qwen3ForCausalLM": "LlamaForCausalLMEagle"}
@@ -84,72 +84,37 @@ class Drafter(nn.Module):
     def target(self) -> Transformer:
         return self.__dict__["_target"]
 
-    def _features(self, ids, hidden, positions, mask=None, kv=None, rope=None):
-        """`rope`: (cos, sin) of `positions` when the caller already has them."""
-        x = self.fc(torch.cat((self.target.embed_tokens(ids), hidden.to(self.fc.weight.dtype)), dim=-1))
-        cos, sin = rope if rope is not None else rotary(self.config, positions, x.dtype)
-        return self.layers[0](x, cos, sin, mask, kv)
-
-    def _run(self, ids, hidden, positions, mask=None, kv=None, last=None):
-        x = self._features(ids, hidden, positions, mask, kv)
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last]
-        return self.target.lm_head(x), x
+    def step(self) -> DraftStep:
+        """The inference step (`DraftStep`), its weights current with this drafter's."""
+        if "_step" not in self.__dict__:
+            self.__dict__["_step"] = DraftStep(self)
+        return self.__dict__["_step"].refresh()
 
     def forward(self, input_ids, hidden, positions=None, attn_mask=None):
         """Training pass over pairs (hidden[:, j], input_ids[:, j]) = (h_j, x_{j+1})."""
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        return self._run(input_ids, hidden, positions, None if attn_mask is None else attn_mask[:, None])
+        x = self.fc(torch.cat((self.target.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)), dim=-1))
+        cos, sin = rotary(self.config, positions, x.dtype)
+        x = self.layers[0](x, cos, sin, None if attn_mask is None else attn_mask[:, None])
+        return self.target.lm_head(x), x
 
     def decode(self, input_ids, hidden, cache: KVCache, slots, starts, positions=None, tree_mask=None, span=None,
                last=None):
         """Logits and features of every pair (B, q, ·), or with `last` (B,) of pair last[b] of
         each row only (B, ·): the LM head then runs on those rows alone."""
         positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask, span)
-        return self._run(input_ids, hidden, positions, mask, (cache.kv[0], view), last)
+        cos, sin = rotary(self.config, positions, cache.dtype)
+        x = self.step().forward(input_ids, hidden, cos, sin, mask, cache.kv[0], view,
+                                view.flat(cache.max_len).reshape(-1))
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last]
+        return self.target.lm_head(x), x
 
-    def greedy_chain(self, layer_cache: torch.Tensor, cache: KVCache, slots, ids: torch.Tensor, hidden: torch.Tensor,
-                     starts: torch.Tensor, last: torch.Tensor, depth: int, span: int, tables=None,
-                     mark=None) -> torch.Tensor:
-        """A whole draft chain, the top-1 tokens (B, depth): the extend over pairs (hidden, ids)
-        (B, W) of `slots` at rows from `starts` (pairs past `last` are padding), then depth - 1
-        levels from each row's last pair, level d + 1 running the pair (ĥ, d-th draft) at
-        drafter row and position starts + last + d: a plain decode step of the drafter, no tree
-        mask, no beam bookkeeping. The extend's and the levels' positions, masks, rotations and
-        cache rows are built at once, as for one call of W + depth - 1 tokens, and each call
-        takes its columns (eager, building them per level was ~30 µs of a ~180 µs level at
-        batch 1, and the extend's own set ~50 µs more). Padding rows lie where the levels write
-        next or past them, and causal attention never reads them. `span` covers every row the
-        chain writes.
-
-        Written for `torch.compile` too (`CompiledChain`: no Python between levels, slots
-        0..B-1). `layer_cache` is `cache.kv[0]` passed in as its own tensor: taken inside the
-        graph, it is a view of the cache's one tensor for all layers, and a compiled write
-        through it copies that whole tensor back, which costs more than the chain. `mark(d)`,
-        when given, is called after the extend (d = 0) and after level d + 1 (the eager
-        chain's phase marks)."""
-        B, W = ids.shape
-        dev = ids.device
-        index = torch.cat((starts[:, None] + torch.arange(W, device=dev),
-                           (starts + last + 1)[:, None] + torch.arange(depth - 1, device=dev)), 1)
-        positions, mask, view = causal_inputs(index, cache, slots, span)
-        cos, sin = rotary(self.config, positions, self.fc.weight.dtype, tables)
-        x = self._features(ids, hidden, None, mask[:, :, :W], (layer_cache, view.columns(0, W)),
-                           rope=(cos[:, :W], sin[:, :W]))
-        hidden = x[torch.arange(B, device=dev), last][:, None]
-        tokens = [self.target.lm_head(hidden)[:, 0].argmax(-1)]
-        if mark is not None:
-            mark(0)
-        for d in range(1, depth):
-            at = slice(W + d - 1, W + d)
-            hidden = self._features(tokens[-1][:, None], hidden, None, mask[:, :, at],
-                                    (layer_cache, view.columns(at.start, at.stop)), rope=(cos[:, at], sin[:, at]))
-            tokens.append(self.target.lm_head(hidden)[:, 0].argmax(-1))
-            if mark is not None:
-                mark(d)
-        return torch.stack(tokens, 1)
+    def greedy_chain(self, *args, **kwargs) -> torch.Tensor:
+        """`DraftStep.greedy_chain` with this drafter's current weights."""
+        return self.step().greedy_chain(*args, **kwargs)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         return KVCache(self.config, slots, max_len, self.fc.weight.device, self.fc.weight.dtype)

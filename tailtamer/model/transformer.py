@@ -32,12 +32,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in at least float32 (as transformers does) so bfloat16 stays accurate.
-        # Written out: F.rms_norm's CPU kernel casts back and forth and costs ~3x as much here.
-        if x.dtype in (torch.float32, torch.float64):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_normalize(x, self.eps) * self.weight
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps) over the last axis (RMSNorm without its weight; Zhang & Sennrich
+    2019), computed in at least float32 as transformers does, so bfloat16 stays accurate.
+    Written out: F.rms_norm's CPU kernel casts back and forth and costs ~3x as much here."""
+    if x.dtype in (torch.float32, torch.float64):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
@@ -198,12 +203,12 @@ class CacheView:
         # built once for every layer: (B, 1, 1) slots, (heads,) heads, (B, q, 1) rows
         return cls(slots, span, (rows[:, None, None], torch.arange(heads, device=index.device), index[:, :, None]))
 
-    def columns(self, first: int, end: int) -> "CacheView":
-        """The view of a call of the tokens at columns [first, end) of this view's index:
-        successive decode calls (a draft chain's extend and levels) share one view's set-up
-        instead of each building its own."""
+    def flat(self, max_len: int) -> torch.Tensor:
+        """The rows (B, q, heads) the new keys and values go to in one layer's cache seen as
+        (slots · heads · max_len, head_dim), for one `index_copy_` (half an `update`'s indexed
+        write at batch 1)."""
         rows, heads, index = self.at
-        return CacheView(self.slots, self.span, (rows, heads, index[:, first:end]))
+        return (rows * len(heads) + heads) * max_len + index
 
     def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one
@@ -211,9 +216,13 @@ class CacheView:
         reshaped view of it is copied back whole, which costs more than the step), and return
         this batch's (B, 2·kv_heads, span, dim)."""
         cache.index_put_(self.at, new)
-        if isinstance(self.slots, slice):
-            return cache[self.slots, :, : self.span]
-        return cache[:, :, : self.span].index_select(0, self.slots)
+        return self.read(cache)
+
+    def read(self, cache: torch.Tensor) -> torch.Tensor:
+        """This batch's (B, 2·kv_heads, span, dim) keys and values in one layer's cache."""
+        if isinstance(self.slots, slice):  # narrow: one operation, where indexing is one per axis
+            return cache.narrow(0, self.slots.start or 0, self.slots.stop - (self.slots.start or 0)).narrow(2, 0, self.span)
+        return cache.narrow(2, 0, self.span).index_select(0, self.slots)
 
 
 class KVCache:
@@ -296,7 +305,9 @@ def causal_inputs(index, cache: KVCache, slots, span: int, positions=None):
 def _masked_inputs(visible, index, cache: KVCache, slots, span: int, positions):
     if span > cache.max_len:
         raise ValueError(f"sequence of {span} tokens exceeds the KV cache length {cache.max_len}")
-    mask = torch.zeros(visible.shape, dtype=cache.dtype, device=index.device).masked_fill_(~visible, float("-inf"))
+    mask = torch.where(visible, 0.0, float("-inf"))  # one operation, where zeros + ~ + masked_fill_ were three
+    if mask.dtype != cache.dtype:
+        mask = mask.to(cache.dtype)
     return index if positions is None else positions, mask[:, None], CacheView.of(slots, index, span, cache.heads)
 
 
