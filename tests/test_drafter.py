@@ -263,8 +263,13 @@ def test_the_inference_step_computes_what_the_training_pass_does(arch):
 
 
 def test_the_inference_step_follows_the_drafters_weights():
-    """Its derived weights are rebuilt when the drafter changes in place (an optimizer step, a
-    published average loaded into it) or moves to another dtype: never stale."""
+    """Its derived weights are rebuilt when the drafter changes in place (a published average
+    loaded into it, a tracked write), when its parameters are replaced (`assign=True`) or move
+    to another dtype, and, at every rollout, after changes no version counter records (a
+    fused optimizer step, as the spot trainer takes): never stale in the engine."""
+    from tailtamer.rl.optim import adamw
+    from tailtamer.rollout.eagle import EagleProposer
+
     target = random_model(tiny_config()).double()
     drafter, other = _perturbed_drafter(target, seed=3), _perturbed_drafter(target, seed=4)
     seq = torch.randint(5, 100, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -282,5 +287,24 @@ def test_the_inference_step_follows_the_drafters_weights():
     with torch.no_grad():
         drafter.layers[0].post_attention_layernorm.weight.mul_(2)
     assert agrees()
+    drafter.load_state_dict({k: v * 1.5 for k, v in other.state_dict().items()}, assign=True)
+    assert agrees()
+    optimizer = adamw(drafter.parameters(), lr=0.1)
+    assert optimizer.defaults["fused"]  # its step bumps no version counter
+    drafter(seq[:, 1:], target(seq)[1][:, :-1].detach())[0].square().mean().backward()
+    optimizer.step()
+    EagleProposer(drafter).reserve(1, 16)  # what the engine does at every generate
+    assert agrees()
     target.float(), drafter.float()
     assert drafter.step().fc_t.dtype == torch.float32 and agrees()
+
+
+def test_a_drafter_built_under_inference_mode_decodes():
+    with torch.inference_mode():
+        target = random_model(tiny_config())
+        drafter = _perturbed_drafter(target, seed=3)
+        seq = torch.randint(5, 100, (1, 12), generator=torch.Generator().manual_seed(2))
+        _, h = target(seq)
+        full, _ = drafter(seq[:, 1:], h[:, :-1])
+        step, _ = drafter.decode(seq[:, 1:], h[:, :-1], drafter.new_cache(1, 32), slice(0, 1), torch.tensor([0]))
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-4)

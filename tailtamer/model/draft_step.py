@@ -1,11 +1,12 @@
-"""The EAGLE drafter's inference step, in half the tensor operations of its module path.
+"""The EAGLE drafter's inference step: its module path's function at half the cost per draft level.
 
 An SD step runs the one-layer drafter once per draft level. On a small model every tensor
 operation costs a few microseconds whatever its size, and the module path (`Drafter.forward`:
 the decoder layer a target layer also runs) is ~45 of them at batch 1, so a depth-4 chain cost
 as much as four target layers plus their setup: ~0.9 ms against a 2.2-ms plain step of the
-built-in 16-layer base model (`bench profile`). `DraftStep` computes the same function in ~20,
-from weights laid out for it once per drafter version:
+built-in 16-layer base model (`bench profile`). `DraftStep` computes the same function in ~37,
+most of them cheaper (views, in-place), from weights laid out for it once per drafter version
+(a level ~150 -> ~80 µs at batch 1, the chain ~0.9 -> ~0.66 ms in the engine):
 
   - rotary folded into the q/k projection. RoFormer's rotation is x·cos + rotate_half(x)·sin,
     and rotate_half(Wx + b) = (PW)x + Pb for the permutation P that swaps each head's halves
@@ -14,13 +15,16 @@ from weights laid out for it once per drafter version:
   - weights transposed to (in, out) and residual adds fused into the products (`addmm`): a
     product with a few rows and a transposed operand is ~1.5-2x slower on the CPU.
   - the post-attention norm's weight folded into the gate/up projection: W(w ⊙ x̂) = (W·diag(w)) x̂.
-  - each new key and value written with one flat `index_copy_` (`CacheView.flat`).
 
 The result equals the module path up to float rounding (tests compare them). The training
 pass keeps the module path (autograd, sharding); the target's own layers keep it too: their
 products have many rows in prefill and training, where folded rows cost real arithmetic.
-The derived weights are rebuilt when a drafter parameter changes (its version counter or
-storage), in place when they keep their shape, so a compiled chain keeps reading them.
+The derived weights are rebuilt, in place when they keep their shape (so a compiled chain
+keeps reading them), when a drafter parameter is replaced or changes through a tracked
+in-place write (its storage or version counter), and whenever `refresh(rebuild=True)` is
+called: the engine does so at every `generate` (`EagleProposer.reserve`), because a fused
+optimizer step (`rl.optim.adamw`, which the spot trainer uses) and writes through `.data`
+bump no version counter.
 """
 
 from __future__ import annotations
@@ -38,16 +42,16 @@ class DraftStep:
         # projection and the rotation, so the rotation could not be folded)
         assert not cfg.qk_norm, cfg.architecture
         self.drafter, self.config = drafter, cfg
-        self.params = list(drafter.parameters())
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
         self.qk = (self.nh + self.nkv) * self.hd  # the rotated rows: q and k
         self.gqa = self.nh != self.nkv  # computed here: under torch.compile(dynamic=True) the ints are symbolic
         self.key = None
         self.weights: dict[str, torch.Tensor | None] = {}
 
-    def refresh(self) -> "DraftStep":
-        key = tuple((p.data_ptr(), p._version) for p in self.params)
-        if key != self.key:
+    def refresh(self, rebuild: bool = False) -> "DraftStep":
+        # an inference tensor has no version counter (a drafter built under inference_mode)
+        key = tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in self.drafter.parameters())
+        if rebuild or key != self.key:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors: refreshable in place anywhere
                 new = self._derive()
                 old = self.weights
@@ -88,13 +92,13 @@ class DraftStep:
             "down_t": mlp.down_proj.weight.t().contiguous(), "down_b": clone(mlp.down_proj.bias),
         }
 
-    def forward(self, ids, hidden, cos, sin, mask, layer_cache, view, rows) -> torch.Tensor:
-        """`Drafter.forward`'s features for pairs (hidden, ids) (B, T) at drafter cache rows
-        `rows`: `cos`, `sin` (B, T, 1, hd) their rotations, `mask` (B, 1, T, span) additive,
-        `view` the CacheView the keys are read through, `rows` the flat rows (B·T·heads,) of
-        `layer_cache` the new keys and values go to (`CacheView.flat`). Returns the features
-        (B, T, H). Slices are `narrow`s and `split`s: each indexing `[:, a:b]` is a tensor
-        operation per axis."""
+    def forward(self, ids, hidden, cos, sin, mask, layer_cache, view, at) -> torch.Tensor:
+        """`Drafter.forward`'s features for pairs (hidden, ids) (B, T): `cos`, `sin`
+        (B, T, 1, hd) their rotations, `mask` (B, 1, T, span) additive, `view` the CacheView
+        the keys are read through, `at` the (slot, head, row) indices of `layer_cache` the new
+        keys and values go to (`CacheView.at` or its columns). Returns the features (B, T, H).
+        Slices are `narrow`s and `split`s: each indexing `[:, a:b]` is a tensor operation per
+        axis."""
         B, T = ids.shape
         nqk, nh, nkv, hd = self.nh + self.nkv, self.nh, self.nkv, self.hd
         w = self.fc_t
@@ -104,7 +108,8 @@ class DraftStep:
         y = (torch.mm(x, self.qkv_t) if self.qkv_b is None else torch.addmm(self.qkv_b, x, self.qkv_t)).view(B, T, -1, hd)
         half, qk = y.narrow(2, 0, nqk), y.narrow(2, nqk, nqk)  # rotate_half(q, k); q, k
         qk.mul_(cos).addcmul_(half, sin)
-        layer_cache.view(-1, hd).index_copy_(0, rows, y.narrow(2, nqk + nh, 2 * nkv).reshape(-1, hd))
+        # into the cache tensor itself: compiled, a write through a reshaped view of it copies it back whole
+        layer_cache.index_put_(at, y.narrow(2, nqk + nh, 2 * nkv))
         k, v = view.read(layer_cache).split(nkv, 1)
         out = F.scaled_dot_product_attention(qk.narrow(2, 0, nh).transpose(1, 2), k, v, attn_mask=mask,
                                              enable_gqa=self.gqa)
@@ -139,17 +144,17 @@ class DraftStep:
         positions, mask, view = causal_inputs(index, cache, slots, span)
         cos, sin = rotary(self.config, positions, layer_cache.dtype, tables)
         sizes = [W] + [1] * (depth - 1)
-        calls = zip(cos.split(sizes, 1), sin.split(sizes, 1), mask.split(sizes, 2),
-                    view.flat(layer_cache.shape[2]).split(sizes, 1))
+        slot, heads, rows = view.at
+        calls = zip(cos.split(sizes, 1), sin.split(sizes, 1), mask.split(sizes, 2), rows.split(sizes, 1))
         head = self.drafter.target.lm_head.weight
         c, s, m, rows = next(calls)
-        x = self.forward(ids, hidden, c, s, m, layer_cache, view, rows.reshape(-1))
+        x = self.forward(ids, hidden, c, s, m, layer_cache, view, (slot, heads, rows))
         x = x[torch.arange(B, device=dev), last][:, None]
         tokens = [F.linear(x[:, 0], head).argmax(-1)]
         if mark is not None:
             mark(0)
         for d, (c, s, m, rows) in enumerate(calls, 1):
-            x = self.forward(tokens[-1][:, None], x, c, s, m, layer_cache, view, rows.reshape(-1))
+            x = self.forward(tokens[-1][:, None], x, c, s, m, layer_cache, view, (slot, heads, rows))
             tokens.append(F.linear(x[:, 0], head).argmax(-1))
             if mark is not None:
                 mark(d)

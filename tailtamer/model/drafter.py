@@ -84,11 +84,12 @@ class Drafter(nn.Module):
     def target(self) -> Transformer:
         return self.__dict__["_target"]
 
-    def step(self) -> DraftStep:
-        """The inference step (`DraftStep`), its weights current with this drafter's."""
+    def step(self, rebuild: bool = False) -> DraftStep:
+        """The inference step (`DraftStep`), its weights current with this drafter's
+        (`rebuild`: derive them again even if no parameter looks changed)."""
         if "_step" not in self.__dict__:
             self.__dict__["_step"] = DraftStep(self)
-        return self.__dict__["_step"].refresh()
+        return self.__dict__["_step"].refresh(rebuild)
 
     def forward(self, input_ids, hidden, positions=None, attn_mask=None):
         """Training pass over pairs (hidden[:, j], input_ids[:, j]) = (h_j, x_{j+1})."""
@@ -106,8 +107,7 @@ class Drafter(nn.Module):
         each row only (B, ·): the LM head then runs on those rows alone."""
         positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask, span)
         cos, sin = rotary(self.config, positions, cache.dtype)
-        x = self.step().forward(input_ids, hidden, cos, sin, mask, cache.kv[0], view,
-                                view.flat(cache.max_len).reshape(-1))
+        x = self.step().forward(input_ids, hidden, cos, sin, mask, cache.kv[0], view, view.at)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]
         return self.target.lm_head(x), x

@@ -203,13 +203,6 @@ class CacheView:
         # built once for every layer: (B, 1, 1) slots, (heads,) heads, (B, q, 1) rows
         return cls(slots, span, (rows[:, None, None], torch.arange(heads, device=index.device), index[:, :, None]))
 
-    def flat(self, max_len: int) -> torch.Tensor:
-        """The rows (B, q, heads) the new keys and values go to in one layer's cache seen as
-        (slots · heads · max_len, head_dim), for one `index_copy_` (half an `update`'s indexed
-        write at batch 1)."""
-        rows, heads, index = self.at
-        return (rows * len(heads) + heads) * max_len + index
-
     def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one
         indexed write (into the cache tensor itself: under torch.compile, a write through a
@@ -220,9 +213,9 @@ class CacheView:
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
         """This batch's (B, 2·kv_heads, span, dim) keys and values in one layer's cache."""
-        if isinstance(self.slots, slice):  # narrow: one operation, where indexing is one per axis
-            return cache.narrow(0, self.slots.start or 0, self.slots.stop - (self.slots.start or 0)).narrow(2, 0, self.span)
-        return cache.narrow(2, 0, self.span).index_select(0, self.slots)
+        if isinstance(self.slots, slice):
+            return cache[self.slots, :, : self.span]
+        return cache[:, :, : self.span].index_select(0, self.slots)
 
 
 class KVCache:

@@ -111,9 +111,10 @@ BUCKETS = (1, 2, 4, 8)  # batch sizes of the compiled chains (at 16 eager is as 
 
 class CompiledChain:
     """Draft chains compiled with `torch.compile`, as gpt-fast and nano-vllm compile their
-    decode steps: `Drafter.greedy_chain`, the extend and every level in one graph. Eager, a
-    depth-4 chain at batch 1 is ~900 tensor operations of a few microseconds each, plus a
-    Python round trip per level.
+    decode steps: `DraftStep.greedy_chain`, the extend and every level in one graph. Eager, a
+    depth-4 chain at batch 1 is ~250 tensor operations of a few microseconds each, plus a
+    Python round trip per level (since the drafter's cheaper inference step, about as fast
+    as this graph: `bench profile`).
 
     Shapes are static but for the attention span: a graph per batch bucket (`BUCKETS` up to
     the cache's slots; larger batches run eager) and depth, the extend padded to depth + 1
@@ -195,6 +196,9 @@ class EagleProposer(Proposer):
                 f"{', '.join(f'{b}x{d}' for b, d in sorted(self.chain.ready))})")
 
     def reserve(self, slots: int, max_len: int) -> None:
+        # the drafter's inference weights derived afresh: between rollouts it may have been
+        # trained by a fused optimizer step, which no version counter records (`DraftStep`)
+        self.drafter.step(rebuild=True)
         w = self.drafter.fc.weight
         if self.features is None or self.features.shape[0] < slots or self.features.shape[1] < max_len:
             H = self.drafter.config.hidden_size
@@ -221,7 +225,7 @@ class EagleProposer(Proposer):
             # instead of gathered back out of `features` (~30 µs of a 3-ms step at batch 1).
             self.recent = (chained, hidden, next_tokens)
         if isinstance(slots, slice) and positions.shape[1] == 1:
-            # One pair per request (a plain step's, or an SD step's that accepted nothing):
+            # One pair per request, a plain step's (an SD step observes at least two):
             # queued, and written with the next ones at the next read or move. A write per
             # step cost ~25 µs in a rollout (1-1.5% of a plain step); the queue's one write
             # per finished request or switch costs about as much.
@@ -326,7 +330,7 @@ class EagleProposer(Proposer):
         depth + 1 pairs), else eager. The backlog is the last SD step's pairs when they are
         it (`observe`), else gathered from `features`; its last pair's token is pending."""
         slot_ids, ends = [r.slot for r in running], [r.cached for r in running]
-        # the engine keeps a batch in slots 0..B-1 (`Engine._compact`), as `pending` and the verify read it
+        # the engine keeps a batch in slots 0..B-1 (`Engine._compact`), as the verify reads it
         assert slot_ids == list(range(len(running))), slot_ids
         firsts = [self.drafted[s] for s in slot_ids]
         width = max(e - f for f, e in zip(firsts, ends))
@@ -335,7 +339,9 @@ class EagleProposer(Proposer):
             bucket = None  # a longer backlog runs eager
         W = width if bucket is None else depth + 1  # a compiled chain's extend is padded to depth + 1 pairs
         recent, self.recent = self.recent, None
-        if recent is not None and recent[0] == firsts and recent[1].shape[1] >= W:
+        # (compiled, the same width: a narrowed, strided backlog would be a new graph)
+        if recent is not None and recent[0] == firsts and recent[1].shape[1] >= W and (
+                bucket is None or recent[1].shape[1] == W):
             dev = self.features.device
             hidden, ids = recent[1][:, :W], recent[2][:, :W]
             last = torch.tensor([e - f - 1 for f, e in zip(firsts, ends)], device=dev)
