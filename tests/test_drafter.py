@@ -252,9 +252,10 @@ def test_the_inference_step_computes_what_the_training_pass_does(arch):
 
 def test_the_inference_step_follows_the_drafters_weights():
     """Its derived weights are rebuilt when the drafter changes in place (a published average
-    loaded into it, a tracked write), when its parameters are replaced (`assign=True`) or move
-    to another dtype, and, at every rollout, after changes no version counter records (a
-    fused optimizer step, as the spot trainer takes): never stale in the engine."""
+    loaded into it, a tracked write) or moves to another dtype, on request after its
+    parameters are replaced (`assign=True`), and at every rollout, after changes no version
+    counter records (a fused optimizer step, as the spot trainer takes): never stale in the
+    engine."""
     from tailtamer.rl.optim import adamw
     from tailtamer.rollout.eagle import EagleProposer
 
@@ -276,6 +277,7 @@ def test_the_inference_step_follows_the_drafters_weights():
         drafter.layers[0].post_attention_layernorm.weight.mul_(2)
     assert agrees()
     drafter.load_state_dict({k: v * 1.5 for k, v in other.state_dict().items()}, assign=True)
+    drafter.step(rebuild=True)  # new parameter objects: listed again
     assert agrees()
     optimizer = adamw(drafter.parameters(), lr=0.1)
     assert optimizer.defaults["fused"]  # its step bumps no version counter

@@ -539,12 +539,14 @@ def test_finished_requests_hand_over_the_targets_hidden_states(target, trained_d
     assert short >= len(kept) // 2
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 def test_a_chain_drafts_the_same_from_the_last_steps_pairs_as_from_the_gathered_backlog(target, trained_drafter,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, batch):
     """After an SD step the next chain's backlog is that step's verified pairs, read from what
     it observed instead of gathered back out of the proposer's features: the same drafts at
-    every step (requests finishing, compaction and admissions in between), and the read is
-    taken at most steps."""
+    every step (requests finishing, compaction and admissions in between; at batch 1 the
+    last pair is the backlog's last column, taken as a slice), and the read is taken at
+    most steps."""
     params = SamplingParams(temperature=1.0, max_new_tokens=40, n=2, seed=3)
     prompts = _prompts(5, seed=2)
 
@@ -561,7 +563,7 @@ def test_a_chain_drafts_the_same_from_the_last_steps_pairs_as_from_the_gathered_
             return tree
 
         monkeypatch.setattr(proposer, "_chain", spy)
-        outputs, _ = _generate(target, prompts, params, 3, proposer, "4_1_5")
+        outputs, _ = _generate(target, prompts, params, batch, proposer, "4_1_5")
         return [(used, tree.tokens.tolist()) for used, tree in trees], [o.token_ids for o in outputs]
 
     (reused, out), (gathered, plain_out) = drafts(True), drafts(False)

@@ -20,11 +20,12 @@ The result equals the module path up to float rounding (tests compare them). The
 pass keeps the module path (autograd, sharding); the target's own layers keep it too: their
 products have many rows in prefill and training, where folded rows cost real arithmetic.
 The derived weights are rebuilt, in place when they keep their shape (so a compiled chain
-keeps reading them), when a drafter parameter is replaced or changes through a tracked
-in-place write (its storage or version counter), and whenever `refresh(rebuild=True)` is
-called: the engine does so at every `generate` (`EagleProposer.reserve`), because a fused
-optimizer step (`rl.optim.adamw`, which the spot trainer uses) and writes through `.data`
-bump no version counter.
+keeps reading them), when a drafter parameter changes storage or through a tracked in-place
+write (its version counter), and whenever `refresh(rebuild=True)` is called: the engine does
+so at every `generate` (`EagleProposer.reserve`), because a fused optimizer step
+(`rl.optim.adamw`, which the spot trainer uses) and writes through `.data` bump no version
+counter, and parameters replaced by new ones (`load_state_dict(assign=True)`) are seen only
+when the parameters are listed again.
 """
 
 from __future__ import annotations
@@ -42,15 +43,23 @@ class DraftStep:
         # projection and the rotation, so the rotation could not be folded)
         assert not cfg.qk_norm, cfg.architecture
         self.drafter, self.config = drafter, cfg
+        self.params = list(drafter.parameters())
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
         self.qk = (self.nh + self.nkv) * self.hd  # the rotated rows: q and k
         self.gqa = self.nh != self.nkv  # computed here: under torch.compile(dynamic=True) the ints are symbolic
         self.key = None
         self.weights: dict[str, torch.Tensor | None] = {}
 
-    def refresh(self, rebuild: bool = False) -> "DraftStep":
+    def _key(self) -> tuple:
         # an inference tensor has no version counter (a drafter built under inference_mode)
-        key = tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in self.drafter.parameters())
+        return tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in self.params)
+
+    def refresh(self, rebuild: bool = False) -> "DraftStep":
+        # the parameters are listed again only when rebuilding (listing them is ~14 µs, a tenth
+        # of a draft level; checking their storage and versions ~1.5)
+        if rebuild:
+            self.params = list(self.drafter.parameters())
+        key = self._key()
         if rebuild or key != self.key:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors: refreshable in place anywhere
                 new = self._derive()
@@ -120,11 +129,12 @@ class DraftStep:
         return x.view(B, T, -1)
 
     def greedy_chain(self, layer_cache: torch.Tensor, cache, slots, ids: torch.Tensor, hidden: torch.Tensor,
-                     index: torch.Tensor, last: torch.Tensor, depth: int, span: int, tables=None,
+                     index: torch.Tensor, last: torch.Tensor | None, depth: int, span: int, tables=None,
                      mark=None) -> torch.Tensor:
         """A whole draft chain, the top-1 tokens (B, depth): the extend over pairs (hidden, ids)
-        (B, W) of `slots` (pairs past `last` are padding), then depth - 1 levels from each
-        row's last pair, level d + 1 running the pair (ĥ, d-th draft): a plain decode step of
+        (B, W) of `slots` (pairs past `last` are padding; None: every row's last pair is its
+        last column), then depth - 1 levels from each row's last pair, level d + 1 running the
+        pair (ĥ, d-th draft): a plain decode step of
         the drafter, no tree mask, no beam bookkeeping. `index` (B, W + depth - 1) holds the
         drafter rows (= positions) of the extend's pairs, from the row's first, then of each
         level, `chain_index`. The extend's and the levels' masks, rotations and cache rows
@@ -149,7 +159,7 @@ class DraftStep:
         head = self.drafter.target.lm_head.weight
         c, s, m, rows = next(calls)
         x = self.forward(ids, hidden, c, s, m, layer_cache, view, (slot, heads, rows))
-        x = x[torch.arange(B, device=dev), last][:, None]
+        x = x.narrow(1, W - 1, 1) if last is None else x[torch.arange(B, device=dev), last][:, None]
         tokens = [F.linear(x[:, 0], head).argmax(-1)]
         if mark is not None:
             mark(0)

@@ -342,15 +342,17 @@ class EagleProposer(Proposer):
         # (compiled, the same width: a narrowed, strided backlog would be a new graph)
         if recent is not None and recent[0] == firsts and recent[1].shape[1] >= W and (
                 bucket is None or recent[1].shape[1] == W):
-            dev = self.features.device
             hidden, ids = recent[1][:, :W], recent[2][:, :W]
-            last = torch.tensor([e - f - 1 for f, e in zip(firsts, ends)], device=dev)
+            # every backlog W pairs long (batch 1 always): its last pair is the last column,
+            # taken with a slice instead of an index tensor and two gathers
+            lasts = [e - f - 1 for f, e in zip(firsts, ends)]
+            last = None if bucket is None and min(lasts) == W - 1 else torch.tensor(lasts, device=ids.device)
             for s, e in zip(slot_ids, ends):
                 self.drafted[s] = e
         else:
             self._flush()
             ids, hidden, _, last = self._backlog(slot_ids, firsts, ends, W)
-        pending = ids.gather(1, last[:, None])
+        pending = ids.narrow(1, W - 1, 1) if last is None else ids.gather(1, last[:, None])
         index = chain_index(firsts, ends, W, depth, ids.device)
         span = max(max(firsts) + W, max(ends) + depth - 1)
         drafts = None
