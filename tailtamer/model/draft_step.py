@@ -47,8 +47,7 @@ class DraftStep:
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
         self.qk = (self.nh + self.nkv) * self.hd  # the rotated rows: q and k
         self.gqa = self.nh != self.nkv  # computed here: under torch.compile(dynamic=True) the ints are symbolic
-        self.key = None
-        self.weights: dict[str, torch.Tensor | None] = {}
+        self.key = None  # the parameters' storage and versions the derived weights are of
 
     def _key(self) -> tuple:
         # an inference tensor has no version counter (a drafter built under inference_mode)
@@ -63,15 +62,11 @@ class DraftStep:
         if rebuild or key != self.key:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors: refreshable in place anywhere
                 new = self._derive()
-                old = self.weights
-                if old.keys() == new.keys() and all(
-                        (o is None) == (n is None) and (o is None or (o.shape, o.dtype, o.device) == (n.shape, n.dtype, n.device))
-                        for o, n in zip(old.values(), new.values())):
+                if self.key is not None and all(_same_layout(getattr(self, name), t) for name, t in new.items()):
                     for name, t in new.items():
                         if t is not None:
-                            old[name].copy_(t)
+                            getattr(self, name).copy_(t)
                 else:
-                    self.weights = new
                     self.__dict__.update(new)
             self.key = key
         return self
@@ -134,8 +129,8 @@ class DraftStep:
         """A whole draft chain, the top-1 tokens (B, depth): the extend over pairs (hidden, ids)
         (B, W) of `slots` (pairs past `last` are padding; None: every row's last pair is its
         last column), then depth - 1 levels from each row's last pair, level d + 1 running the
-        pair (ĥ, d-th draft): a plain decode step of
-        the drafter, no tree mask, no beam bookkeeping. `index` (B, W + depth - 1) holds the
+        pair (ĥ, d-th draft): a plain decode step of the drafter, no tree mask, no beam
+        bookkeeping. `index` (B, W + depth - 1) holds the
         drafter rows (= positions) of the extend's pairs, from the row's first, then of each
         level, `chain_index`. The extend's and the levels' masks, rotations and cache rows
         are built at once, as for one call of W + depth - 1 tokens, and split into each
@@ -169,6 +164,13 @@ class DraftStep:
             if mark is not None:
                 mark(d)
         return torch.stack(tokens, 1)
+
+
+def _same_layout(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
+    """Whether `new` can be copied into `old` in place (both absent counts)."""
+    if old is None or new is None:
+        return old is None and new is None
+    return (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
 
 
 def chain_index(firsts: list[int], ends: list[int], width: int, depth: int, device) -> torch.Tensor:
