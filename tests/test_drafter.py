@@ -286,7 +286,7 @@ def test_the_inference_step_follows_the_drafters_weights():
     EagleProposer(drafter).reserve(1, 16)  # what the engine does at every generate
     assert agrees()
     target.float(), drafter.float()
-    assert drafter.step().fc_t.dtype == torch.float32 and agrees()
+    assert drafter.step().fc_ht.dtype == torch.float32 and agrees()
 
 
 def test_a_drafter_built_under_inference_mode_decodes():
@@ -297,4 +297,5 @@ def test_a_drafter_built_under_inference_mode_decodes():
         _, h = target(seq)
         full, _ = drafter(seq[:, 1:], h[:, :-1])
         step, _ = drafter.decode(seq[:, 1:], h[:, :-1], drafter.new_cache(1, 32), slice(0, 1), torch.tensor([0]))
-    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-4)
+    # logits up to ~200 here: float32 rounding of sums taken in another order (the float64 test is exact)
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-3)

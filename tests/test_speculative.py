@@ -321,19 +321,22 @@ def test_a_compiled_chain_drafts_and_writes_what_the_eager_chain_does(target, tr
         torch.testing.assert_close(a, b)
 
 
-def test_a_greedy_chain_drafts_and_writes_what_one_decode_call_per_level_does():
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_a_greedy_chain_drafts_and_writes_what_one_decode_call_per_level_does(consecutive):
     """`Drafter.greedy_chain` builds the extend's and every level's inputs at once, over a
     right-padded backlog: its drafts and every drafter cache row a later step reads must be
     those of each request alone, its exact backlog in one `decode` call, then one call per
     level at row `cached + d - 1`. Slots out of order and backlogs of 1, 4 and 2 pairs, so
     the padding rows overlap the levels' rows (a random float64 drafter, whose top tokens and
-    rows show any row read or written wrong)."""
+    rows show any row read or written wrong). `consecutive`: one request, its rows given by
+    `first` and taken by slicing. Rows past the backlog hold stale keys, which no call may
+    read."""
     target = random_model(tiny_config()).double()
     drafter = init_drafter(target, std=0.5)
     depth, g = 4, torch.Generator().manual_seed(4)
     features = torch.randn(3, 20, target.config.hidden_size, generator=g, dtype=torch.float64)
     tokens = torch.randint(5, 100, (3, 20), generator=g)
-    slot_ids, cached, backlogs = [3, 0, 2], [12, 9, 15], [1, 4, 2]
+    slot_ids, cached, backlogs = ([2], [12], [3]) if consecutive else ([3, 0, 2], [12, 9, 15], [1, 4, 2])
     firsts = [c - k for c, k in zip(cached, backlogs)]
     with torch.inference_mode():
         cache, alone = drafter.new_cache(4, 40), drafter.new_cache(4, 40)
@@ -341,6 +344,9 @@ def test_a_greedy_chain_drafts_and_writes_what_one_decode_call_per_level_does():
         for b, (s, f, e) in enumerate(zip(slot_ids, firsts, cached)):
             for c in (cache, alone):  # the rows before the backlog
                 drafter.decode(tokens[b:b + 1, :f], features[b:b + 1, :f], c, slice(s, s + 1), torch.tensor([0]))
+            # stale keys (random, larger than real ones: some outscore them in every head)
+            cache.kv[:, s, :, f:] = torch.randn(cache.kv[:, s, :, f:].shape, generator=g, dtype=torch.float64) \
+                * 10 * cache.kv[:, s, :, :f].abs().mean()
             logits, h = drafter.decode(tokens[b:b + 1, f:e], features[b:b + 1, f:e], alone, slice(s, s + 1),
                                        torch.tensor([f]), last=torch.tensor([e - f - 1]))
             drafts = [int(logits[0].argmax())]
@@ -351,11 +357,15 @@ def test_a_greedy_chain_drafts_and_writes_what_one_decode_call_per_level_does():
             expected.append(drafts)
         width = max(backlogs)
         index = (torch.tensor(firsts)[:, None] + torch.arange(width)).clamp(max=19)
-        rows = torch.arange(3)[:, None]
-        got = drafter.greedy_chain(cache.kv[0], cache, torch.tensor(slot_ids), tokens[rows, index],
-                                   features[rows, index], chain_index(firsts, cached, width, depth, "cpu"),
-                                   torch.tensor(backlogs) - 1, depth,
-                                   max(max(firsts) + width, max(cached) + depth - 1))
+        rows = torch.arange(len(slot_ids))[:, None]
+        span = max(max(firsts) + width, max(cached) + depth - 1)
+        if consecutive:
+            got = drafter.greedy_chain(cache.kv[0], cache, slice(2, 3), tokens[rows, index], features[rows, index],
+                                       None, None, depth, span, first=firsts[0])
+        else:
+            got = drafter.greedy_chain(cache.kv[0], cache, torch.tensor(slot_ids), tokens[rows, index],
+                                       features[rows, index], chain_index(firsts, cached, width, depth, "cpu"),
+                                       torch.tensor(backlogs) - 1, depth, span)
     assert got.tolist() == expected
     for s, c in zip(slot_ids, cached):  # the committed rows and the levels' rows
         torch.testing.assert_close(cache.kv[:, s, :, : c + depth - 1], alone.kv[:, s, :, : c + depth - 1])

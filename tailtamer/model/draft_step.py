@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tailtamer.model.transformer import causal_inputs, rms_normalize, rotary
+from tailtamer.model.transformer import CacheRows, CacheView, causal_inputs, rotary, rotary_tables
 
 
 class DraftStep:
@@ -85,85 +85,127 @@ class DraftStep:
             return None if t is None else t.detach().clone()
 
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        fc_t = d.fc.weight.t()
+        H = fc_t.shape[1]
         return {
-            "fc_t": d.fc.weight.t().contiguous(), "fc_b": clone(d.fc.bias),
+            # fc's halves apart: for the token's embedding and for the feature (no concatenation)
+            "fc_et": fc_t[:H].contiguous(), "fc_ht": fc_t[H:].contiguous(), "fc_b": clone(d.fc.bias),
             # columns: rotate_half(q, k), then q, k, v
             "qkv_t": torch.cat((swapped_halves(w), w)).t().contiguous(),
             "qkv_b": None if b is None else torch.cat((swapped_halves(b), b)),
             "o_t": attn.o_proj.weight.t().contiguous(), "o_b": clone(attn.o_proj.bias),
-            "gu_t": (mlp.gate_up_proj.weight * layer.post_attention_layernorm.weight).t().contiguous(),
+            # with √H: `_rms_scaled` leaves it out
+            "gu_t": (mlp.gate_up_proj.weight * (layer.post_attention_layernorm.weight * H ** 0.5)).t().contiguous(),
             "gu_b": clone(mlp.gate_up_proj.bias),
             "down_t": mlp.down_proj.weight.t().contiguous(), "down_b": clone(mlp.down_proj.bias),
         }
 
-    def forward(self, ids, hidden, cos, sin, mask, layer_cache, view, at) -> torch.Tensor:
-        """`Drafter.forward`'s features for pairs (hidden, ids) (B, T): `cos`, `sin`
-        (B, T, 1, hd) their rotations, `mask` (B, 1, T, span) additive, `view` the CacheView
-        the keys are read through, `at` the (slot, head, row) indices of `layer_cache` the new
-        keys and values go to (`CacheView.at` or its columns). Returns the features (B, T, H).
+    def forward(self, ids, hidden, cos, sin, mask, layer_cache, view) -> torch.Tensor:
+        """`Drafter.forward`'s features for pairs (hidden, ids) (B, T): `cos`, `sin` their
+        rotations (broadcasting to (B, T, heads, hd)), `mask` additive (broadcasting to
+        (B, heads, T, span)) or None, `view` where `layer_cache` takes the new keys and values
+        and gives the keys to read (`CacheView` or `CacheRows`). Returns the features (B, T, H).
         Slices are `narrow`s and `split`s: each indexing `[:, a:b]` is a tensor operation per
         axis."""
         B, T = ids.shape
         nqk, nh, nkv, hd = self.nh + self.nkv, self.nh, self.nkv, self.hd
-        w = self.fc_t
-        x = torch.cat((F.embedding(ids, self.drafter.target.embed_tokens.weight),
-                       hidden if hidden.dtype == w.dtype else hidden.to(w.dtype)), -1).view(B * T, -1)
-        x = torch.addmm(self.fc_b, x, w)
+        w = self.fc_ht
+        H = w.shape[1]
+        x = torch.addmm(self.fc_b, F.embedding(ids, self.drafter.target.embed_tokens.weight).view(B * T, H),
+                        self.fc_et)
+        x.addmm_(hidden.reshape(B * T, H) if hidden.dtype == w.dtype else hidden.to(w.dtype).reshape(B * T, H), w)
         y = (torch.mm(x, self.qkv_t) if self.qkv_b is None else torch.addmm(self.qkv_b, x, self.qkv_t)).view(B, T, -1, hd)
         half, qk = y.narrow(2, 0, nqk), y.narrow(2, nqk, nqk)  # rotate_half(q, k); q, k
         qk.mul_(cos).addcmul_(half, sin)
         # into the cache tensor itself: compiled, a write through a reshaped view of it copies it back whole
-        layer_cache.index_put_(at, y.narrow(2, nqk + nh, 2 * nkv))
+        view.write(layer_cache, y.narrow(2, nqk + nh, 2 * nkv))
         k, v = view.read(layer_cache).split(nkv, 1)
         out = F.scaled_dot_product_attention(qk.narrow(2, 0, nh).transpose(1, 2), k, v, attn_mask=mask,
                                              enable_gqa=self.gqa)
-        x = torch.addmm(x if self.o_b is None else x + self.o_b, out.transpose(1, 2).reshape(B * T, nh * hd), self.o_t)
-        n = rms_normalize(x, self.config.rms_norm_eps)
+        if self.o_b is not None:
+            x.add_(self.o_b)
+        x.addmm_(out.transpose(1, 2).reshape(B * T, nh * hd), self.o_t)
+        n = _rms_scaled(x, self.config.rms_norm_eps)
         gate, up = (torch.mm(n, self.gu_t) if self.gu_b is None else torch.addmm(self.gu_b, n, self.gu_t)).chunk(2, -1)
-        x = torch.addmm(x if self.down_b is None else x + self.down_b, F.silu(gate) * up, self.down_t)
-        return x.view(B, T, -1)
+        if self.down_b is not None:
+            x.add_(self.down_b)
+        x.addmm_(F.silu(gate).mul_(up), self.down_t)
+        return x.view(B, T, H)
 
     def greedy_chain(self, layer_cache: torch.Tensor, cache, slots, ids: torch.Tensor, hidden: torch.Tensor,
-                     index: torch.Tensor, last: torch.Tensor | None, depth: int, span: int, tables=None,
-                     mark=None) -> torch.Tensor:
+                     index: torch.Tensor | None, last: torch.Tensor | None, depth: int, span: int, tables=None,
+                     mark=None, first: int | None = None) -> torch.Tensor:
         """A whole draft chain, the top-1 tokens (B, depth): the extend over pairs (hidden, ids)
         (B, W) of `slots` (pairs past `last` are padding; None: every row's last pair is its
         last column), then depth - 1 levels from each row's last pair, level d + 1 running the
         pair (ĥ, d-th draft): a plain decode step of the drafter, no tree mask, no beam
-        bookkeeping. `index` (B, W + depth - 1) holds the
-        drafter rows (= positions) of the extend's pairs, from the row's first, then of each
-        level, `chain_index`. The extend's and the levels' masks, rotations and cache rows
-        are built at once, as for one call of W + depth - 1 tokens, and split into each
-        call's (eager, building them per level was ~30 µs of a ~180 µs level at batch 1).
-        Padding rows lie where the levels write next or past them, and causal attention never
-        reads them. `span` covers every row the chain writes.
+        bookkeeping. `index` (B, W + depth - 1) holds the drafter rows (= positions) of the
+        extend's pairs, from the row's first, then of each level, `chain_index`. The
+        extend's and the levels' masks, rotations and cache rows are built at once, as for one
+        call of W + depth - 1 tokens, and split into each call's (eager, building them per
+        level was ~30 µs of a ~180 µs level at batch 1). Padding rows lie where the levels
+        write next or past them, and causal attention never reads them. `span` covers every
+        row the chain writes.
+
+        `first` instead of `index` when every row's backlog is the same W pairs from row
+        `first` (a batch of one always: the end of every long tail, where SD runs longest):
+        then the chain's rows are first, first + 1, ... in every row, written and read by
+        slicing (`CacheRows`), the rotations are a slice of the table, and no call needs a
+        mask (~15 fewer tensor operations).
 
         Written for `torch.compile` too (`CompiledChain`: no Python between levels, slots
-        0..B-1). `layer_cache` is `cache.kv[0]` passed in as its own tensor: taken inside the
-        graph, it is a view of the cache's one tensor for all layers, and a compiled write
-        through it copies that whole tensor back, which costs more than the chain. `mark(d)`,
-        when given, is called after the extend (d = 0) and after level d + 1 (the eager
-        chain's phase marks)."""
+        0..B-1, `index`). `layer_cache` is `cache.kv[0]` passed in as its own tensor: taken
+        inside the graph, it is a view of the cache's one tensor for all layers, and a
+        compiled write through it copies that whole tensor back, which costs more than the
+        chain. `mark(d)`, when given, is called after the extend (d = 0) and after level
+        d + 1 (the eager chain's phase marks)."""
         B, W = ids.shape
-        dev = ids.device
-        positions, mask, view = causal_inputs(index, cache, slots, span)
-        cos, sin = rotary(self.config, positions, layer_cache.dtype, tables)
         sizes = [W] + [1] * (depth - 1)
-        slot, heads, rows = view.at
-        calls = zip(cos.split(sizes, 1), sin.split(sizes, 1), mask.split(sizes, 2), rows.split(sizes, 1))
+        calls = self._calls(index, cache, slots, span, sizes, layer_cache.dtype, tables) if first is None else \
+            self._consecutive_calls(first, slots, sizes, layer_cache.dtype, ids.device, tables)
         head = self.drafter.target.lm_head.weight
-        c, s, m, rows = next(calls)
-        x = self.forward(ids, hidden, c, s, m, layer_cache, view, (slot, heads, rows))
-        x = x.narrow(1, W - 1, 1) if last is None else x[torch.arange(B, device=dev), last][:, None]
-        tokens = [F.linear(x[:, 0], head).argmax(-1)]
+        c, s, m, view = calls[0]
+        x = self.forward(ids, hidden, c, s, m, layer_cache, view)
+        x = x.narrow(1, W - 1, 1) if last is None else x[torch.arange(B, device=ids.device), last][:, None]
+        tokens = [F.linear(x, head).argmax(-1)]  # (B, 1): the next level's ids as they are
         if mark is not None:
             mark(0)
-        for d, (c, s, m, rows) in enumerate(calls, 1):
-            x = self.forward(tokens[-1][:, None], x, c, s, m, layer_cache, view, (slot, heads, rows))
-            tokens.append(F.linear(x[:, 0], head).argmax(-1))
+        for d, (c, s, m, view) in enumerate(calls[1:], 1):
+            x = self.forward(tokens[-1], x, c, s, m, layer_cache, view)
+            tokens.append(F.linear(x, head).argmax(-1))
             if mark is not None:
                 mark(d)
-        return torch.stack(tokens, 1)
+        return torch.cat(tokens, 1)
+
+    def _calls(self, index, cache, slots, span: int, sizes: list[int], dtype, tables) -> list[tuple]:
+        """Each call's (cos, sin, mask, CacheView) of a chain at drafter rows `index`."""
+        positions, mask, view = causal_inputs(index, cache, slots, span)
+        cos, sin = rotary(self.config, positions, dtype, tables)
+        slot, heads, rows = view.at
+        return [(c, s, m, CacheView(slots, span, (slot, heads, r)))
+                for c, s, m, r in zip(cos.split(sizes, 1), sin.split(sizes, 1), mask.split(sizes, 2),
+                                      rows.split(sizes, 1))]
+
+    def _consecutive_calls(self, first: int, slots, sizes: list[int], dtype, device, tables) -> list[tuple]:
+        """Each call's (cos, sin, mask, CacheRows) of a chain at rows first, first + 1, ... of
+        every sequence. No call needs a mask: each reads the keys up to its own last row, and
+        of the extend's rows only the last one's features are used (the others' attention,
+        not causal here, is thrown away with them)."""
+        cos, sin = tables if tables is not None else rotary_tables(self.config, device, dtype)
+        n, W = sum(sizes), sizes[0]
+        cos, sin = cos[first: first + n, None], sin[first: first + n, None]  # (n, 1, hd): alike in every row
+        starts = [first] + [first + W + d for d in range(len(sizes) - 1)]
+        return [(c, s, None, CacheRows(slots, a, q))
+                for c, s, a, q in zip(cos.split(sizes), sin.split(sizes), starts, sizes)]
+
+
+def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """√H · `rms_normalize`(x) = x / √(Σx² + H·eps) over the last axis (H), in at least float32:
+    three operations where the mean takes five; √H is folded into the weights that follow."""
+    if x.dtype in (torch.float32, torch.float64):
+        return x * (x * x).sum(-1, keepdim=True).add_(x.shape[-1] * eps).rsqrt_()
+    xf = x.float()
+    return (xf * (xf * xf).sum(-1, keepdim=True).add_(x.shape[-1] * eps).rsqrt_()).to(x.dtype)
 
 
 def _same_layout(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:

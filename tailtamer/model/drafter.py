@@ -107,7 +107,7 @@ class Drafter(nn.Module):
         each row only (B, ·): the LM head then runs on those rows alone."""
         positions, mask, view = decode_inputs(input_ids, cache, slots, starts, positions, tree_mask, span)
         cos, sin = rotary(self.config, positions, cache.dtype)
-        x = self.step().forward(input_ids, hidden, cos, sin, mask, cache.kv[0], view, view.at)
+        x = self.step().forward(input_ids, hidden, cos, sin, mask, cache.kv[0], view)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]
         return self.target.lm_head(x), x

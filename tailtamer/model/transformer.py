@@ -204,18 +204,38 @@ class CacheView:
         return cls(slots, span, (rows[:, None, None], torch.arange(heads, device=index.device), index[:, :, None]))
 
     def update(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one
-        indexed write (into the cache tensor itself: under torch.compile, a write through a
-        reshaped view of it is copied back whole, which costs more than the step), and return
+        """Write new (B, q, 2·kv_heads, dim) keys and values into one layer's cache and return
         this batch's (B, 2·kv_heads, span, dim)."""
-        cache.index_put_(self.at, new)
+        self.write(cache, new)
         return self.read(cache)
+
+    def write(self, cache: torch.Tensor, new: torch.Tensor) -> None:
+        """New (B, q, 2·kv_heads, dim) keys and values into one layer's cache, in one indexed
+        write (into the cache tensor itself: under torch.compile, a write through a reshaped
+        view of it is copied back whole, which costs more than the step)."""
+        cache.index_put_(self.at, new)
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
         """This batch's (B, 2·kv_heads, span, dim) keys and values in one layer's cache."""
         if isinstance(self.slots, slice):
             return cache[self.slots, :, : self.span]
         return cache[:, :, : self.span].index_select(0, self.slots)
+
+
+class CacheRows:
+    """`CacheView` for a call whose new tokens sit at the same consecutive cache rows
+    first..first + q - 1 in every sequence of the batch (a batch of one always): written and
+    read by slicing, without index tensors, and keys read only up to the last new row, so a
+    single new token sees every key read and needs no mask."""
+
+    def __init__(self, slots: slice, first: int, q: int):
+        self.slots, self.first, self.span = slots, first, first + q
+
+    def write(self, cache: torch.Tensor, new: torch.Tensor) -> None:
+        cache[self.slots, :, self.first: self.span].copy_(new.transpose(1, 2))
+
+    def read(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache[self.slots, :, : self.span]
 
 
 class KVCache:

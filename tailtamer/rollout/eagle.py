@@ -352,8 +352,12 @@ class EagleProposer(Proposer):
         else:
             self._flush()
             ids, hidden, _, last = self._backlog(slot_ids, firsts, ends, W)
+        # every backlog the same W pairs at the same rows (batch 1 always): the eager chain's rows by slicing
+        same = bucket is None and len(set(firsts)) == 1 and len(set(ends)) == 1
+        if same:
+            last = None
         pending = ids.narrow(1, W - 1, 1) if last is None else ids.gather(1, last[:, None])
-        index = chain_index(firsts, ends, W, depth, ids.device)
+        index = None if same else chain_index(firsts, ends, W, depth, ids.device)
         span = max(max(firsts) + W, max(ends) + depth - 1)
         drafts = None
         if bucket is not None:
@@ -363,7 +367,8 @@ class EagleProposer(Proposer):
         if drafts is None:  # eager, or the graph failed to compile
             drafts = self.drafter.greedy_chain(
                 self.cache.kv[0], self.cache, slice(0, len(running)), ids, hidden, index, last, depth, span,
-                mark=lambda d: PHASES.mark(f"sd: draft level {d + 1}" if d else "sd: drafter extend (draft level 1)"))
+                mark=lambda d: PHASES.mark(f"sd: draft level {d + 1}" if d else "sd: drafter extend (draft level 1)"),
+                first=firsts[0] if same else None)
         self.chained = ends
         return chain_tree(torch.cat((pending, drafts), 1))
 
