@@ -106,6 +106,7 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
                 valid=torch.ones(B, strategy.verify, dtype=torch.bool, device=dev), depth=D)
 
 
+QUEUE_LIMIT = 32  # observed steps kept before they are written (they hold the verify's hidden states)
 BUCKETS = (1, 2, 4, 8)  # batch sizes of the compiled chains (at 16 eager is as fast: `bench profile`)
 
 
@@ -178,7 +179,7 @@ class EagleProposer(Proposer):
         self.next_tokens = None  # (slots, max_len): x_{j+1}
         self.drafted: list[int] = []  # per slot: pairs the drafter's cache holds
         self.slot_rows = None  # (slots,): each slot's first row in the flattened features
-        self.queued: list[tuple] = []  # one-pair observations not yet written (`observe`)
+        self.queued: list[tuple] = []  # steps' observations not yet written (`observe`)
         self.chained: list[int] | None = None  # per request, where the last chain's extend ended
         self.recent: tuple | None = None  # (firsts, features, tokens) the SD step observed from there
 
@@ -224,29 +225,38 @@ class EagleProposer(Proposer):
             # next chain's backlog (accepted pairs first, the rest padding), read from here
             # instead of gathered back out of `features` (~30 µs of a 3-ms step at batch 1).
             self.recent = (chained, hidden, next_tokens)
-        if isinstance(slots, slice) and positions.shape[1] == 1:
-            # One pair per request, a plain step's (an SD step observes at least two):
-            # queued, and written with the next ones at the next read or move. A write per
-            # step cost ~25 µs in a rollout (1-1.5% of a plain step); the queue's one write
-            # per finished request or switch costs about as much.
+        if isinstance(slots, slice):
+            # A plain or SD step's pairs (slots 0..B-1, in order): queued, and written with the
+            # next ones at the next read or move, one write per width. A write per step cost
+            # ~25 µs in a rollout (1-1.5% of a plain step, ~1% of an SD step at batch 1); the
+            # queue's writes per finished request or switch cost about as much as one. In one
+            # write the same row must not be written twice: an SD step marks the pairs of its
+            # rejected drafts (position -1), which go to the unused last row.
             self.queued.append((positions, hidden, next_tokens))
+            if len(self.queued) >= QUEUE_LIMIT:
+                self._flush()
             return
         self._flush()
-        self._write(self.slot_rows[: positions.shape[0]] if isinstance(slots, slice) else slots * self.features.shape[1],
-                    positions, hidden, next_tokens)
+        self._write(slots * self.features.shape[1], positions, hidden, next_tokens)
 
     def _flush(self) -> None:
         if self.queued:
-            positions, hidden, tokens = zip(*self.queued)
+            widths: dict[int, list] = {}
+            for entry in self.queued:
+                widths.setdefault(entry[0].shape[1], []).append(entry)
             self.queued = []
-            first = torch.cat([self.slot_rows[: len(p)] for p in positions])
-            self._write(first, torch.cat(positions), torch.cat(hidden), torch.cat(tokens))
+            for entries in widths.values():
+                positions, hidden, tokens = zip(*entries)
+                first = torch.cat([self.slot_rows[: len(p)] for p in positions])
+                self._write(first, torch.cat(positions), torch.cat(hidden), torch.cat(tokens))
 
     def _write(self, first, positions, hidden, next_tokens) -> None:
         """Pairs at `positions` (n, k) of the slots whose first flat rows are `first` (n,),
-        through one flat index (advanced (slot, position) indexing took twice as long)."""
+        through one flat index (advanced (slot, position) indexing took twice as long); those
+        at position -1 (not committed) and past the end to each slot's last row, which no
+        request reaches (`reserve` leaves room for a whole tree past the longest)."""
         S, L, H = self.features.shape
-        index = (first[:, None] + positions.clamp(max=L - 1)).flatten()
+        index = (first[:, None] + positions.clamp(max=L - 1).remainder(L)).flatten()
         self.features.view(S * L, H).index_copy_(0, index, hidden.reshape(-1, H).to(self.features.dtype))
         self.next_tokens.view(S * L).index_copy_(0, index, next_tokens.reshape(-1))
 

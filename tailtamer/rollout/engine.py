@@ -356,19 +356,26 @@ class Engine:
         logits, hidden = self.model.decode(tree.tokens, cache, slice(0, B), starts, positions, mask,
                                            span=max(cached) + tree.tokens.shape[1])
         PHASES.mark("sd: verify (target forward)")
-        emitted_at = torch.tensor([[len(r.output_ids)] for r in running], device=device) + tree.depths
+        N = tree.tokens.shape[1]
+        emitted_at = torch.tensor([[len(r.output_ids) + i for i in range(N)] for r in running], device=device) \
+            if tree.chain else torch.tensor([[len(r.output_ids)] for r in running], device=device) + tree.depths
         draws = self._draw(running, logits, params, emitted_at)
         PHASES.mark("sd: sample")
         path, tokens, length = accept(tree, draws)
         PHASES.mark("sd: accept")
+        lengths = length.tolist()
         if self.proposer.needs_hidden:
-            positions = starts[:, None] + torch.arange(path.shape[1], device=device)
+            # the pairs of the path's accepted nodes; the rest (rejected drafts') at position -1
+            positions = torch.tensor([[c + i if i < n else -1 for i in range(path.shape[1])]
+                                      for c, n in zip(cached, lengths)], device=device)
             kept = hidden if tree.chain else hidden[torch.arange(B, device=device)[:, None], path]  # a chain's path: 0..depth
             self.proposer.observe(slice(0, B), positions, kept, tokens)
             PHASES.mark("sd: drafter observe")
         moves, emitted = [], 0
-        drafted = (tree.valid.sum(1) - 1).tolist()
-        for r, n, toks, nodes, d in zip(running, length.tolist(), tokens.tolist(), path.tolist(), drafted):
+        # a chain drafts its depth and its path is 0..depth: no device reads for either
+        drafted = [tree.depth] * B if tree.chain else (tree.valid.sum(1) - 1).tolist()
+        paths = [None] * B if tree.chain else path.tolist()
+        for r, n, toks, nodes, d in zip(running, lengths, tokens.tolist(), paths, drafted):
             before = len(r.output_ids)
             for token in self._checked(toks[:n]):
                 self._append(r, token, params)
@@ -379,7 +386,7 @@ class Engine:
             if r.finish_reason:  # what the verify consumed of its output still counts (`keep_hidden`)
                 r.cached += min(len(r.output_ids) - before + 1, n)
                 continue
-            if nodes[:n] != list(range(n)):  # a tree's path: move its rows to consecutive positions
+            if nodes is not None and nodes[:n] != list(range(n)):  # a tree's path: its rows to consecutive ones
                 moves.append((r.slot, [r.cached + i for i in nodes[:n]], [r.cached + j for j in range(n)]))
             r.cached += n
         PHASES.mark("sd: host bookkeeping")

@@ -8,7 +8,8 @@ The engine calls, in this order:
   observe(slots, positions, hidden, next_tokens)
                             after every target forward that commits tokens (prefill, plain
                             step, SD step): the target's final hidden state at each committed
-                            position and the token that follows it (only if `needs_hidden`);
+                            position and the token that follows it (only if `needs_hidden`;
+                            position -1: a rejected draft's pair, nothing committed there);
   move_slot(src, dst, rows) when compaction moves a running request to a lower slot;
   hidden_of(slot, rows)     when a request finishes, if the caller keeps hidden states: the
                             final hidden states of its first `rows` positions, as observed;
