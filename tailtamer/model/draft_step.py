@@ -4,17 +4,19 @@ An SD step runs the one-layer drafter once per draft level. On a small model eve
 operation costs a few microseconds whatever its size, and the module path (`Drafter.forward`:
 the decoder layer a target layer also runs) is ~45 of them at batch 1, so a depth-4 chain cost
 as much as four target layers plus their setup: ~0.9 ms against a 2.2-ms plain step of the
-built-in 16-layer base model (`bench profile`). `DraftStep` computes the same function in ~37,
+built-in 16-layer base model (`bench profile`). `DraftStep` computes the same function in ~30,
 most of them cheaper (views, in-place), from weights laid out for it once per drafter version
-(a level ~150 -> ~80 µs at batch 1, the chain ~0.9 -> ~0.66 ms in the engine):
+(a level ~150 -> ~80 µs at batch 1, the chain ~0.9 -> ~0.5 ms in the engine):
 
   - rotary folded into the q/k projection. RoFormer's rotation is x·cos + rotate_half(x)·sin,
     and rotate_half(Wx + b) = (PW)x + Pb for the permutation P that swaps each head's halves
     (the sign lives in `sin`, as in `apply_rotary`). One product gives rotate_half(q, k) and
     q, k, v side by side, and the rotation is two in-place operations instead of six.
-  - weights transposed to (in, out) and residual adds fused into the products (`addmm`): a
-    product with a few rows and a transposed operand is ~1.5-2x slower on the CPU.
-  - the post-attention norm's weight folded into the gate/up projection: W(w ⊙ x̂) = (W·diag(w)) x̂.
+  - weights transposed to (in, out) and residual adds fused into the products (`addmm`, in
+    place): a product with a few rows and a transposed operand is ~1.5-2x slower on the CPU.
+  - fc's two halves applied apart, fc([e; h]) = W_e e + W_h h + b: no concatenation.
+  - the post-attention norm as x / √(Σx² + H·eps), its weight and √H folded into the gate/up
+    projection: W(w ⊙ x̂) = (W·diag(w)) x̂ (three operations instead of five).
 
 The result equals the module path up to float rounding (tests compare them). The training
 pass keeps the module path (autograd, sharding); the target's own layers keep it too: their

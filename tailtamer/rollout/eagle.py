@@ -362,7 +362,8 @@ class EagleProposer(Proposer):
         else:
             self._flush()
             ids, hidden, _, last = self._backlog(slot_ids, firsts, ends, W)
-        # every backlog the same W pairs at the same rows (batch 1 always): the eager chain's rows by slicing
+        # every backlog the same W pairs at the same rows (batch 1 always): the eager chain takes
+        # its rows by slicing, and every row's last pair is its last column
         same = bucket is None and len(set(firsts)) == 1 and len(set(ends)) == 1
         if same:
             last = None
