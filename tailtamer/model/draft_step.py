@@ -89,6 +89,10 @@ class DraftStep:
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
         fc_t = d.fc.weight.t()
         H = fc_t.shape[1]
+        # the norm's weight and √H (which `_rms_scaled` leaves out) folded in, in at least
+        # float32: in bfloat16 the two products would round twice
+        wide = torch.promote_types(w.dtype, torch.float32)
+        gate_up = mlp.gate_up_proj.weight.to(wide) * (layer.post_attention_layernorm.weight.to(wide) * H ** 0.5)
         return {
             # fc's halves apart: for the token's embedding and for the feature (no concatenation)
             "fc_et": fc_t[:H].contiguous(), "fc_ht": fc_t[H:].contiguous(), "fc_b": clone(d.fc.bias),
@@ -96,8 +100,7 @@ class DraftStep:
             "qkv_t": torch.cat((swapped_halves(w), w)).t().contiguous(),
             "qkv_b": None if b is None else torch.cat((swapped_halves(b), b)),
             "o_t": attn.o_proj.weight.t().contiguous(), "o_b": clone(attn.o_proj.bias),
-            # with √H: `_rms_scaled` leaves it out
-            "gu_t": (mlp.gate_up_proj.weight * (layer.post_attention_layernorm.weight * H ** 0.5)).t().contiguous(),
+            "gu_t": gate_up.to(w.dtype).t().contiguous(),
             "gu_b": clone(mlp.gate_up_proj.bias),
             "down_t": mlp.down_proj.weight.t().contiguous(), "down_b": clone(mlp.down_proj.bias),
         }

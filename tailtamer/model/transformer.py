@@ -229,6 +229,8 @@ class CacheRows:
     single new token sees every key read and needs no mask."""
 
     def __init__(self, slots: slice, first: int, q: int):
+        # slots as a tensor would make the write an indexing copy, written and thrown away
+        assert isinstance(slots, slice), slots
         self.slots, self.first, self.span = slots, first, first + q
 
     def write(self, cache: torch.Tensor, new: torch.Tensor) -> None:
