@@ -49,6 +49,7 @@ class DrafterTrainConfig:
                                     "the target once, not once per step (at most half the free memory); beyond "
                                     "this the target runs every step")
     seed: int = f(0, "data order and initialisation")
+    fc_bias: bool = f(True, "a bias in the drafter's fc (EAGLE's); false for vLLM, whose EAGLE loader has none")
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1:
@@ -63,7 +64,8 @@ class DrafterTrainConfig:
     def key(self) -> str:
         """The cache key of what these settings train (the feature cache's budget is memory, not
         training: the drafter comes out the same)."""
-        fields = {k: v for k, v in asdict(self).items() if k != "feature_cache_mb"}
+        # fc_bias at its default is left out, so the drafters cached before it existed keep their key
+        fields = {k: v for k, v in asdict(self).items() if k != "feature_cache_mb" and (k, v) != ("fc_bias", True)}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -144,7 +146,7 @@ def train_drafter(target: Transformer, sequences: list[list[int]], cfg: DrafterT
     flags = [p.requires_grad for p in target.parameters()]
     target.eval().requires_grad_(False)
     try:
-        return _train(target, sequences, cfg, drafter or init_drafter(target, seed=cfg.seed), rng, log)
+        return _train(target, sequences, cfg, drafter or init_drafter(target, seed=cfg.seed, fc_bias=cfg.fc_bias), rng, log)
     finally:
         for p, flag in zip(target.parameters(), flags):
             p.requires_grad_(flag)

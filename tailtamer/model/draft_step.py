@@ -116,8 +116,8 @@ class DraftStep:
         nqk, nh, nkv, hd = self.nh + self.nkv, self.nh, self.nkv, self.hd
         w = self.fc_ht
         H = w.shape[1]
-        x = torch.addmm(self.fc_b, F.embedding(ids, self.drafter.target.embed_tokens.weight).view(B * T, H),
-                        self.fc_et)
+        e = F.embedding(ids, self.drafter.target.embed_tokens.weight).view(B * T, H)
+        x = torch.mm(e, self.fc_et) if self.fc_b is None else torch.addmm(self.fc_b, e, self.fc_et)
         x.addmm_(hidden.to(w.dtype).reshape(B * T, H), w)
         y = (torch.mm(x, self.qkv_t) if self.qkv_b is None else torch.addmm(self.qkv_b, x, self.qkv_t)).view(B, T, -1, hd)
         half, qk = y.narrow(2, 0, nqk), y.narrow(2, nqk, nqk)  # rotate_half(q, k); q, k

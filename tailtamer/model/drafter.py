@@ -25,7 +25,8 @@ Drafter directories (the SGLang EAGLE layout):
                      model_type), num_hidden_layers 1 and `qkv_bias` (EAGLE's reference code
                      reads it; SGLang's Qwen2 layer always has the bias, its Llama layer reads
                      `attention_bias`)
-  model.safetensors  fc.weight (H, 2H), fc.bias (H), layers.0.self_attn.{q,k,v,o}_proj.*,
+  model.safetensors  fc.weight (H, 2H), fc.bias (H) unless the drafter has none (vLLM's EAGLE
+                     loader has no fc bias: `fc_bias=False`), layers.0.self_attn.{q,k,v,o}_proj.*,
                      layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight
                      (no `model.` prefix, no embed_tokens, no lm_head: SGLang shares the target's)
 Pair convention: drafter row j holds (h_j, x_{j+1}) at rotary position j and predicts h_{j+1}.
@@ -64,11 +65,13 @@ def eagle_config(target_cfg: ModelConfig) -> ModelConfig:
 
 
 class Drafter(nn.Module):
-    def __init__(self, target: Transformer):
+    def __init__(self, target: Transformer, fc_bias: bool = True):
+        """`fc_bias`: EAGLE's fc has a bias, vLLM's EAGLE-1 loader (llama_eagle.py) has none, so
+        a drafter meant for vLLM is trained without one (`rollout/vllm_export.py`)."""
         super().__init__()
         cfg = target.config
         self.config = eagle_config(cfg)
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         layer = DecoderLayer(self.config)
         layer.input_layernorm = nn.Identity()
         self.layers = nn.ModuleList([layer])
@@ -130,8 +133,8 @@ def check_fits(drafter_cfg: ModelConfig, target_cfg: ModelConfig, source: str) -
         raise CheckpointError(f"{source} does not fit the target model: " + "; ".join(wrong))
 
 
-def init_drafter(target: Transformer, seed: int = 0, std: float = 0.02) -> Drafter:
-    drafter = Drafter(target)
+def init_drafter(target: Transformer, seed: int = 0, std: float = 0.02, fc_bias: bool = True) -> Drafter:
+    drafter = Drafter(target, fc_bias)
     init_weights_(drafter, seed, std)
     return drafter.to(device=target.device, dtype=target.dtype)
 
@@ -175,7 +178,7 @@ def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
     check_fits(cfg, target.config, f"drafter {drafter_dir}")
     # Checkpoints from other tools may carry a copy of the embedding or head: the target's wins.
     tensors = {k: v for k, v in read_safetensors(drafter_dir).items() if not k.startswith(SHARED_PREFIXES)}
-    drafter = Drafter(target)
+    drafter = Drafter(target, fc_bias="fc.bias" in tensors)
     check_state_dict(split_fused(drafter.state_dict(), drafter.config), tensors, str(drafter_dir / "model.safetensors"))
     check_finite(tensors, str(drafter_dir / "model.safetensors"))
     drafter.load_state_dict(join_fused(tensors, drafter.config), strict=False)
