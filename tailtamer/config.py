@@ -23,7 +23,9 @@ from tailtamer.errors import ConfigError
 from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tailtamer.rl.optim import LR_SCHEDULES
 from tailtamer.rl.sharding import SHARDINGS
+from tailtamer.rollout.backend import BACKENDS
 from tailtamer.rollout.speculator import SpecConfig
+from tailtamer.rollout.vllm_backend import VLLMConfig, vllm_spec
 
 
 class _YAML12Loader(yaml.SafeLoader):
@@ -130,9 +132,13 @@ class RolloutConfig:
     temperature: float = f(1.0, "sampling temperature (also used for the policy's log-probs)")
     top_p: float = f(1.0, "nucleus sampling")
     max_batch_size: int = f(512, "requests decoded together")
+    backend: str = f("tailtamer", "the rollout engine: tailtamer (our embedded engine) or vllm (one vLLM engine per "
+                                  "worker, in the environment `make vllm-env` creates; README, 'vLLM')")
 
     def __post_init__(self):
         at_least(self, "rollout", 1, "prompts_per_step", "group_size", "max_new_tokens", "max_batch_size")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"rollout.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature must be > 0 for RL, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -234,8 +240,11 @@ class TrainConfig:
     spec: SpecConfig = f(SpecConfig(mode="adaptive", drafter="builtin"),
                          "speculative decoding in the rollout (drafter builtin = the built-in base model's warm-up drafter)")
     spot: SpotConfig = f(SpotConfig(), "the adaptive drafter's spot trainer: online training of spec.drafter on idle time")
+    vllm: VLLMConfig = f(VLLMConfig(), "the vLLM engine, with rollout.backend=vllm")
 
     def __post_init__(self):
+        if self.rollout.backend == "vllm":
+            object.__setattr__(self, "spec", vllm_spec(self.spec))
         if self.rl.overlong == "penalty" and self.rl.overlong_buffer >= self.rollout.max_new_tokens:
             raise ConfigError(f"rl.overlong_buffer ({self.rl.overlong_buffer}) must be below rollout.max_new_tokens "
                               f"({self.rollout.max_new_tokens}): the penalty would hit every response")

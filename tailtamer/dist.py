@@ -80,8 +80,11 @@ class Workers:
         if self.world == 1:
             return
         self.set_state("DONE")
-        self.barrier()
-        dist.destroy_process_group()
+        # through the store: a rollout engine that shares the process group (vLLM) takes it
+        # down with it when it shuts down
+        self.wait_for_all("close")
+        if dist.is_initialized():
+            dist.destroy_process_group()
         self.store.add("closed", 1)
         if self.is_main:
             while self.store.add("closed", 0) < self.world:

@@ -317,5 +317,6 @@ def test_a_run_says_what_the_unset_switch_means_on_its_device(toy):
         logs = []
         setup(prepare(load_train_config(None, toy + ["spec.mode=adaptive", "spec.drafter=ngram", *extra])),
               log=logs.append)
-        assert any(line == "spec.bs_threshold unset: on cpu, SD at any batch size (the bandit decides)"
+        assert any(line == "spec.bs_threshold unset: on cpu with rollout.backend=tailtamer, SD at any batch size "
+                           "(the bandit decides)"
                    for line in logs) == said, logs

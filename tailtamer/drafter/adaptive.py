@@ -5,6 +5,8 @@
                                      its own forwards computed go into the DataBuffer, so no
                                      forward runs for the drafter's data (fastrl takes them from
                                      SGLang's rollout too, `return_hidden_states`);
+  add_sequences(step, ...)           the same from the update's forward, for a backend whose
+                                     rollout keeps no hidden states (vLLM);
   train_while_idle(should_stop)      on a worker whose rollout shard is done: score the drafter
                                      (and a frozen copy of the warm-up drafter) on the newest
                                      responses neither has trained on, then spot-train until
@@ -44,6 +46,17 @@ class AdaptiveDrafter:
     def collector(self, step: int) -> Callable[[list[int], int, torch.Tensor], None]:
         """`keep_hidden` for the rollout of RL step `step`."""
         return lambda tokens, response_start, hidden: self.buffer.add_response(step, tokens, response_start, hidden)
+
+    def add_sequences(self, step: int, ids: torch.Tensor, response_mask: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Sequences a target forward ran (the update's, where the rollout engine keeps no hidden
+        states): ids (B, W), response_mask (B, W − 1) true where ids[:, t + 1] is a response
+        token, hidden (B, W, H) the final hidden states. Each goes into the buffer whole (its
+        last token consumed too), as a finished request's would."""
+        starts = response_mask.int().argmax(1)
+        ends = response_mask.shape[1] - response_mask.flip(1).int().argmax(1)
+        for row, (has, start, end) in enumerate(zip(response_mask.any(1).tolist(), starts.tolist(), ends.tolist())):
+            if has:
+                self.buffer.add_response(step, ids[row, : end + 1].tolist(), start + 1, hidden[row, : end + 1])
 
     def train_while_idle(self, should_stop: Callable[[], bool], deadline: float | None = None) -> dict:
         """Score on the newest buffered step (only if there is time: it is a metric), then

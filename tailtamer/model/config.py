@@ -281,6 +281,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # and still trains in about 9 minutes on 2 CPU cores.
     "base": _preset(hidden_size=64, intermediate_size=192, num_hidden_layers=16,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    # The base model's twin for the vLLM backend: the same layers and parameter count, with
+    # head size 32 (2 heads, 1 KV head), since vLLM's CPU attention runs no head size below 32.
+    "base-vllm": _preset(hidden_size=64, intermediate_size=192, num_hidden_layers=16,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024),
     # Wide and shallow: the fastest model to build in tests.
     "tiny": _preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tailtamer.config import TrainConfig
-from tailtamer.device import device_memory, train_device, train_dtype
+from tailtamer.device import device_memory, resolve_device, train_device, train_dtype
 from tailtamer.dist import Workers
 from tailtamer.drafter.adaptive import AdaptiveDrafter
 from tailtamer.errors import ConfigError
@@ -27,10 +27,12 @@ from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
 from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG
 from tailtamer.rl.sharding import SHARDINGS, Replicated
+from tailtamer.rollout.backend import EmbeddedBackend
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.speculator import make_speculator
+from tailtamer.rollout.vllm_backend import check_model, require_vllm
 
 
 @dataclass
@@ -41,7 +43,7 @@ class RunState:
     tokenizer: object
     optimizer: torch.optim.Optimizer
     scheduler: object
-    engine: Engine
+    rollout: EmbeddedBackend  # the rollout backend (rollout/backend.py): our engine, or vLLM's
     scorer: RewardScorer
     train_rows: list[dict]
     eval_rows: list[dict]
@@ -80,16 +82,22 @@ def training_prompts(cfg: TrainConfig) -> int:
 def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
     """Resolve the built-ins into paths, once, before workers load anything: the base model
     (trained by `tailtamer sft` on first use) and its warm-up drafter."""
+    vllm = cfg.rollout.backend == "vllm"
+    if vllm:
+        require_vllm()
     model = cfg.run.model
     if model is None:
         from tailtamer.sft import SFTConfig, ensure_base_model
 
-        model = str(ensure_base_model(SFTConfig(), log=log))
+        # vLLM's CPU attention runs no head size below 32: its twin of the base model (model/config.py)
+        model = str(ensure_base_model(SFTConfig(preset="base-vllm" if vllm else "base"), log=log))
+    if vllm:
+        check_model(load_config(model), resolve_device(cfg.run.device, "run.device").type, f"run.model {model}")
     spec = cfg.spec
     if spec.drafter == "builtin" and spec.mode != "off":
-        from tailtamer.drafter.train import ensure_builtin_drafter
+        from tailtamer.drafter.train import DrafterTrainConfig, ensure_builtin_drafter
 
-        drafter_dir = ensure_builtin_drafter(Path(model), log=log)
+        drafter_dir = ensure_builtin_drafter(Path(model), DrafterTrainConfig(fc_bias=not vllm), log=log)
         spec = replace(spec, drafter=str(drafter_dir))
     return replace(cfg, run=replace(cfg.run, model=model), spec=spec)
 
@@ -162,26 +170,43 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
         optimizer, scheduler = make_opt(model)
     sharding.policy.grad_checkpointing = cfg.rl.grad_checkpointing
     ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
-                    speculator=make_speculator(cfg.spec, model))
+    resumed_drafter = checkpoint / "drafter" if resume is not None and (checkpoint / "drafter").is_dir() else None
+    rollout = make_backend(cfg, model, tokenizer, model_dir, resumed_drafter, resume is not None)
     if cfg.spec.mode == "adaptive" and cfg.spec.bs_threshold is None:  # resolved by the device: say how
-        threshold = engine.speculator.bs_threshold
-        log(f"spec.bs_threshold unset: on {device.type}, SD " + ("at any batch size (the bandit decides)"
-                                                                 if threshold is None else f"at most {threshold} running"))
+        threshold = rollout.bs_threshold
+        log(f"spec.bs_threshold unset: on {device.type} with rollout.backend={cfg.rollout.backend}, SD "
+            + ("at any batch size (the bandit decides)" if threshold is None else f"at most {threshold} running"))
     adaptive = None
     # With one worker and no training window there is no time to train the drafter in.
     trains = workers.world > 1 or cfg.spot.single_worker == "window"
-    if cfg.spot.train and trains and engine.proposer is not None and engine.proposer.drafter is not None:
-        if resume is not None and (checkpoint / "drafter").is_dir():
-            engine.proposer.drafter.load_state_dict(load_drafter(checkpoint / "drafter", model).state_dict())
+    if cfg.spot.train and trains and rollout.drafter is not None:
         frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
         score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
-        adaptive = AdaptiveDrafter(engine.proposer.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
+        adaptive = AdaptiveDrafter(rollout.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
                                    Strategy.parse(cfg.spec.strategy).depth, score, frozen)
     order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
-    return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, engine, scorer, train_rows, eval_rows,
+    return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, rollout, scorer, train_rows, eval_rows,
                     order, sharding, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
                     saved_step=state["step"] if resume is not None else None)
+
+
+def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_drafter: Path | None, resumed: bool):
+    """The rollout backend of `cfg` (rollout.backend), rolling out `model` (the trainer's own
+    module) with spec.drafter, or the drafter a resumed run saved (`resumed_drafter`)."""
+    drafter = None
+    if cfg.spec.mode != "off" and cfg.spec.drafter != "ngram":
+        drafter = load_drafter(resumed_drafter or cfg.spec.drafter, model)
+    if cfg.rollout.backend == "vllm":
+        from tailtamer.rollout.vllm_backend import VLLMBackend
+
+        backend = VLLMBackend(model_dir, model, tokenizer, cfg.spec, drafter, cfg.vllm, cfg.rollout.max_batch_size,
+                              seed=cfg.run.seed)
+        if resumed:  # the engine started from run.model: the checkpoint's policy goes in
+            backend.publish_policy(model)
+        return backend
+    speculator = make_speculator(cfg.spec, model, drafter)
+    return EmbeddedBackend(Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
+                                  speculator=speculator))
 
 
 def run_dir_of(cfg: TrainConfig, resume: Path | None) -> Path:

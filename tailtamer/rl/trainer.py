@@ -45,6 +45,8 @@ from tailtamer.rl.rewards import merge_failures
 from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_resume, resume_changes
 from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, setup, training_prompts
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics
+from tailtamer.rollout.backend import RolloutBackendError
+from tailtamer.rollout.vllm_backend import require_vllm
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.stopping import Interrupted, StopRequest
 
@@ -96,9 +98,13 @@ def rl_step(s: RunState) -> dict:
                             n=roll.group_size, seed=cfg.run.seed * 1_000_003 + s.step)
     s.model.eval()
     w.set_state("BUSY")
-    keep_hidden = s.drafter.collector(s.step) if s.drafter is not None else None  # the drafter's data
-    completions, rollout = s.engine.generate([row["prompt_ids"] for row in batch], params, first_index=lo,
-                                             keep_hidden=keep_hidden)
+    # the drafter's data: the rollout's own hidden states where the backend hands them over
+    keep_hidden = s.drafter.collector(s.step) if s.drafter is not None and s.rollout.hidden_states else None
+    try:
+        completions, rollout = s.rollout.generate([row["prompt_ids"] for row in batch], params, first_index=lo,
+                                                  keep_hidden=keep_hidden)
+    except RolloutBackendError as e:  # the engine died or failed: nothing of this step is applied
+        raise TrainingError(f"step {s.step + 1}: {e}; {_resume_hint(s)}") from None
     clock.mark("rollout")
     w.finish_rollout(s.step)
 
@@ -169,16 +175,24 @@ def rl_step(s: RunState) -> dict:
 
     # 8. Drafter: the average of the drafters trained on idle workers is written into the one
     #    every engine runs; one worker (nothing to average) trains in a window here (opt-in).
+    #    Then the new policy and drafter go into the rollout engine (our own engine runs the
+    #    trainer's modules: nothing to copy; vLLM takes them in place and is checked).
     if s.drafter is not None:
         published()
         if w.world == 1 and cfg.spot.single_worker == "window":
             drafter = s.drafter.train_in_window()
             clock.mark("spot")
-        clock.mark("publish")
+    try:
+        s.rollout.publish_policy(s.model)
+        if s.drafter is not None:
+            s.rollout.publish_drafter(s.drafter.drafter)
+    except RolloutBackendError as e:
+        raise TrainingError(f"after step {s.step + 1}: {e}; {_resume_hint(s)}") from None
+    clock.mark("publish")
 
     # 9. Weight check: every engine runs the module its worker trained; compare what each
     #    will run next with worker 0's, so a stale or diverged copy stops the run.
-    drafter_module = s.engine.proposer.drafter if s.engine.proposer is not None else None
+    drafter_module = s.rollout.drafter
     checksums = (weights_checksum(s.model), weights_checksum(drafter_module) if drafter_module is not None else None)
     check_same_weights(w.gather(checksums), s.step)
     clock.mark("check")
@@ -237,7 +251,10 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
     params_list = list(policy.parameters())
     losses, kls, entropies, clip_fracs, grad_norms = [], [], [], [], []
     extra_calls = s.sharding.extra_calls(plan)
-    for _ in range(rl.ppo_epochs):
+    # Where the rollout backend keeps no hidden states (vLLM), the drafter learns from this
+    # forward's: the target over every computed sequence, no extra forward (TLT §2.2).
+    feeds_drafter = s.drafter is not None and not s.rollout.hidden_states
+    for epoch in range(rl.ppo_epochs):
         for minibatch, extra in zip(plan, extra_calls):
             s.optimizer.zero_grad(set_to_none=True)
             totals = torch.zeros(5, device=dev)  # loss, kl, entropy, clipped weight, weight
@@ -245,7 +262,9 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
                 mb_ids = samples.ids[micro.rows, : micro.width].to(dev)
                 weights = micro.weights.to(dev)
                 with autocast(dev, s.dtype):  # log-probs (grpo.token_log_probs) are float32 whatever the dtype
-                    logits, _ = policy(mb_ids)
+                    logits, hidden = policy(mb_ids)
+                if feeds_drafter and epoch == 0:
+                    s.drafter.add_sequences(s.step, mb_ids, samples.mask[micro.rows, : micro.width - 1], hidden)
                 logp = grpo.token_log_probs(logits[:, :-1], mb_ids[:, 1:], temperature)
                 mb_mask = loss_mask[micro.rows, : micro.width - 1]
                 if micro.key not in old_logps:  # the on-policy first minibatch: π_old is this forward's π
@@ -341,7 +360,7 @@ def evaluate_greedy(s: RunState) -> float | None:
     correct = 0.0
     if hi > lo:
         params = SamplingParams(temperature=0, max_new_tokens=s.cfg.rollout.max_new_tokens)
-        completions, _ = s.engine.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
+        completions, _ = s.rollout.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
         scored = s.scorer.score_calls(reward_items(rows[lo:hi], completions))
         correct = sum(parts[0][0] for parts in scored)  # the first reward function, unweighted
     s.workers.wait_for_all("eval")  # shards take unequal time: no collective timeout while waiting
@@ -386,8 +405,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
     """Run (or resume) `cfg` as this worker (one worker by default); `console=None` shows a
     progress bar with the step lines above it. Worker 0 claims the run directory (unless the
     launcher did: `claimed`), writes every file and returns the summary; the others return None."""
-    # A device this machine lacks is an error here, before any file is written.
+    # A device this machine lacks, or an engine not installed, is an error here, before any file is written.
     w = workers or Workers(device=train_device(cfg.run.device, 0))
+    if cfg.rollout.backend == "vllm":
+        require_vllm()
     if not w.is_main:
         log = console = _silent
     lock = None
@@ -456,7 +477,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                     except OSError as e:
                         raise TrainingError(f"cannot write the metrics of step {s.step} into {s.run_dir} "
                                             f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
-                    notice = s.engine.proposer.notice if s.engine.proposer is not None else None
+                    notice = s.rollout.notice
                     if notice and notice not in reported:
                         reported.add(notice)
                         log(notice)
@@ -491,6 +512,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
             if s.drafter is not None:
                 s.drafter.wait()
             s.scorer.close()
+            s.rollout.close()
             if w.is_main and not completed and s.history and not hurry:  # stopped or failed: its steps so far
                 try:
                     _summarize(s, w.world, time.perf_counter() - t0, finished=False)
@@ -535,6 +557,8 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
     if "WORLD_SIZE" in os.environ:
         return run_worker(cfg, resume, console)
     device = resolve_device(cfg.run.device, "run.device")
+    if cfg.rollout.backend == "vllm":
+        require_vllm()
     gpus = gpu_count() if device.type == "cuda" else 0
     world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step, gpus)
     if world == 1:

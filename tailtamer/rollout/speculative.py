@@ -33,7 +33,7 @@ from tailtamer.errors import ConfigError
 # below 1, "typical" acceptance, greedy verification of sampled requests) change what the
 # policy samples, so they are refused by name instead of being options.
 ACCEPTANCE_RULES = ("exact",)
-LOSSY_RULES = ("typical", "threshold", "relaxed", "greedy_under_sampling", "lenient")
+LOSSY_RULES = ("typical", "threshold", "relaxed", "greedy_under_sampling", "lenient", "synthetic")
 
 
 # Deeper drafts would need positions past the rotary table's headroom (model/transformer.py)

@@ -126,12 +126,13 @@ class Speculator:
         return cls(proposer, FixedTuner(Strategy.parse(strategy) if isinstance(strategy, str) else strategy))
 
 
-def make_speculator(spec: SpecConfig, target) -> Speculator | None:
-    """The engine's speculator for `spec`; None when it is off."""
+def make_speculator(spec: SpecConfig, target, drafter=None) -> Speculator | None:
+    """The engine's speculator for `spec`; None when it is off. `drafter`: the EAGLE drafter
+    already loaded (default: spec.drafter's)."""
     if spec.mode == "off":
         return None
     if spec.drafter == "ngram":
         proposer = NgramProposer()
     else:
-        proposer = EagleProposer(load_drafter(spec.drafter, target), compiled=spec.compile)
+        proposer = EagleProposer(drafter or load_drafter(spec.drafter, target), compiled=spec.compile)
     return Speculator(proposer, spec.make_tuner(), spec.threshold(target.device.type) if spec.mode == "adaptive" else None)
