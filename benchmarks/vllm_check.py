@@ -75,7 +75,7 @@ def check_vllm(device: torch.device, scale: str, budget_s: float) -> dict:
 
     from tailtamer.drafter.train import DrafterTrainConfig, train_drafter
     from tailtamer.model.config import ModelConfig
-    from tailtamer.model.drafter import init_drafter, save_drafter
+    from tailtamer.model.drafter import save_drafter
     from tailtamer.model.io import init_model, save_model
     from tailtamer.rollout.engine import Engine
     from tailtamer.rollout.sampling import SamplingParams, target_probs

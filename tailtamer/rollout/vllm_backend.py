@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from tailtamer.atomic import atomic_write, atomic_write_json
-from tailtamer.config_fields import at_least, at_most, f, positive
+from tailtamer.config_fields import at_most, f, positive
 from tailtamer.errors import ConfigError, DataError
-from tailtamer.model.drafter import EAGLE_ARCHITECTURES, drafter_tensors
+from tailtamer.model.drafter import drafter_tensors
 from tailtamer.model.io import to_hf_key
 from tailtamer.model.transformer import split_fused
 from tailtamer.rollout.backend import RolloutBackendError
@@ -340,12 +340,13 @@ class VLLMBackend:
     def publish_drafter(self, drafter) -> None:
         if self._dir is None:
             return
-        tensors = {f"model.{k}": v for k, v in vllm_drafter_tensors(drafter).items()}
+        tensors = vllm_drafter_tensors(drafter)  # under the names vLLM's EAGLE loader takes (it adds `model.`)
+        expected = {f"model.{k}": v for k, v in tensors.items()}
         # the drafter's embedding and LM head are the policy's: vLLM must share them too
         policy = policy_tensors(self.model)
-        shared = {"model.embed_tokens.weight": policy["model.embed_tokens.weight"],
-                  "lm_head.weight": policy.get("lm_head.weight", policy["model.embed_tokens.weight"])}
-        self._push("drafter", {k.removeprefix("model."): v for k, v in tensors.items()}, {**tensors, **shared})
+        expected["model.embed_tokens.weight"] = policy["model.embed_tokens.weight"]
+        expected["lm_head.weight"] = policy.get("lm_head.weight", policy["model.embed_tokens.weight"])
+        self._push("drafter", tensors, expected)
 
     def _push(self, part: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
         try:

@@ -15,6 +15,7 @@ share shows as a difference (TLT's stale-drafter trap: acceptance silently at 1.
 
 from __future__ import annotations
 
+import logging
 import zlib
 
 import torch
@@ -37,14 +38,21 @@ def _part(worker, part: str) -> torch.nn.Module:
 
 def load_weights(worker, part: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Load checkpoint-format tensors (transformers' names) into the policy or the drafter."""
-    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                   initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload import layerwise
 
     model = _part(worker, part)
     device = next(model.parameters()).device
-    initialize_layerwise_reload(model)
-    model.load_weights([(name, t.to(device)) for name, t in tensors])
-    finalize_layerwise_reload(model, worker.model_runner.model_config)
+    # It warns for every layer given nothing (the drafter's shared embedding and head, the
+    # rotary tables), whose kernel tensors it puts back as they were; `probe` checks the rest.
+    quiet = logging.getLogger(layerwise.__name__)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        layerwise.initialize_layerwise_reload(model)
+        model.load_weights([(name, t.to(device)) for name, t in tensors])
+        layerwise.finalize_layerwise_reload(model, worker.model_runner.model_config)
+    finally:
+        quiet.setLevel(level)
 
 
 def probe(worker, part: str) -> dict[str, torch.Tensor]:
