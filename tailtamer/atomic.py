@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
+
+from tailtamer.errors import WriteError
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -25,10 +29,47 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        cause = _disk_error(e, path.parent)  # while the partial file still takes its space
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if cause is not None:
+            raise cause from e
         raise
+
+
+PROBE_BYTES = 1 << 20
+
+
+def _disk_error(e: BaseException, directory: Path) -> OSError | None:
+    """The OSError behind a library's failed write that is no OSError: safetensors names its
+    errno ("... (os error 28)"), torch.save only says its stream failed, so then a write of
+    PROBE_BYTES into the same directory says whether the disk takes any more. None: `e` is
+    an OSError already, or not about the disk."""
+    if isinstance(e, OSError) or not isinstance(e, Exception):
+        return None
+    found = re.search(r"\(os error (\d+)\)", str(e))
+    if found:
+        return OSError(int(found[1]), os.strerror(int(found[1])))
+    try:
+        with tempfile.TemporaryFile(dir=directory) as f:
+            f.write(bytes(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe:
+        return probe
+    return None
+
+
+@contextmanager
+def writing(what: str, where, left: str = ""):
+    """A write in the block that fails (a full disk, a read-only directory) becomes one
+    WriteError naming what was being written and where; `left` says what is left (the writes
+    are atomic: everything written before is intact)."""
+    try:
+        yield
+    except OSError as e:
+        raise WriteError(f"cannot write {what} into {where} ({e.strerror or e}){left}") from None
 
 
 def temp_dir(final: Path) -> Path:
@@ -74,8 +115,11 @@ def write_dir(final: Path, write: Callable[[Path], None], existing: str = "empty
         if final.exists() and existing == "replace":
             shutil.rmtree(final)
         os.rename(tmp, final)  # onto an empty directory too; a non-empty one is an OSError
-    except BaseException:
+    except BaseException as e:
+        cause = _disk_error(e, final.parent)
         shutil.rmtree(tmp, ignore_errors=True)
+        if cause is not None:
+            raise cause from e
         raise
     return True
 

@@ -115,7 +115,7 @@ def cmd_train(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from tailtamer.atomic import atomic_write_json, atomic_write_text
+    from tailtamer.atomic import atomic_write_json, atomic_write_text, writing
     from tailtamer.device import resolve_device
     from tailtamer.model.io import load_pretrained
     from tailtamer.rl.data import context_cut, load_prompts
@@ -163,13 +163,15 @@ def cmd_generate(args) -> None:
         print(engine.notice, file=sys.stderr)
     lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
                          "token_ids": c.token_ids, "finish_reason": c.finish_reason}) for c in completions]
-    atomic_write_text(args.out, "\n".join(lines) + "\n")
+    with writing("the completions", args.out, "; nothing was written there"):
+        atomic_write_text(args.out, "\n".join(lines) + "\n")
     summary = stats.summary()
     if engine.tuner is not None:
         summary["tuner"] = engine.tuner.summary()
     summary["backend"] = engine.name
     if args.stats:
-        atomic_write_json(args.stats, summary)
+        with writing("the stats", args.stats, f"; the completions are in {args.out}"):
+            atomic_write_json(args.stats, summary)
     print(f"wrote {len(completions)} completions to {args.out}: {summary['tokens']} tokens in "
           f"{summary['seconds']:.2f}s ({summary['tokens_per_s']:.1f} tokens/s, "
           f"accept length {summary['accept_len_mean']:.2f})")

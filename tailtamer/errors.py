@@ -18,3 +18,8 @@ class CheckpointError(TailtamerError):
 
 class DataError(TailtamerError):
     """A dataset or prompts file is empty or has a bad row."""
+
+
+class WriteError(TailtamerError):
+    """A file could not be written (a full disk, a read-only directory); what was there before
+    is left as it was."""

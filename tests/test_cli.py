@@ -33,6 +33,23 @@ def test_generate_writes_rows_and_stats(model_dir, tmp_path):
     assert len(s["timeline"]) == s["decode_steps"]
 
 
+def test_generate_on_a_full_disk_is_one_line_naming_the_file(model_dir, tmp_path, monkeypatch, capsys):
+    import tailtamer.atomic as atomic
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic, "atomic_write_text", full_disk)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "12+3=?\n"})])
+    out = tmp_path / "out.jsonl"
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"error: cannot write the completions into {out} (No space left on device); " \
+                                "nothing was written there"
+    assert not out.exists()
+
+
 def test_generate_says_when_the_context_will_cut_responses(model_dir, tmp_path, capsys):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "12+3=?\n"})])
     argv = ["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),

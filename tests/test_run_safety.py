@@ -4,6 +4,7 @@ changed settings, torn metrics, corrupt checkpoints, failing disks and failing r
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -225,6 +226,92 @@ def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_last_good_one(toy
     monkeypatch.setattr(checkpoint, "save_model", real)
     _train(toy, "run.steps=3", resume=run)
     assert [r["step"] for r in _rows(run)] == [1, 2, 3]
+
+
+def _safetensors_full(real):
+    """safetensors' save_file on a full disk: its own error, no OSError, the errno in its text."""
+    from safetensors import SafetensorError
+
+    calls = []
+
+    def save_file(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) > 1:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        real(tensors, path, metadata=metadata)
+    return save_file
+
+
+@pytest.mark.parametrize("library", ["safetensors", "torch.save"])
+def test_a_full_disk_as_the_libraries_report_it_is_one_line_and_the_run_resumes(toy, tmp_path, monkeypatch, library):
+    """What a full disk raises inside safetensors (SafetensorError) or torch.save (a
+    RuntimeError about its stream, and a disk that takes no more) stops the run with one line
+    that names what was being written and the last good checkpoint; the run resumes."""
+    import errno
+
+    import tailtamer.atomic as atomic
+    import tailtamer.model.io as io
+    import tailtamer.rl.checkpoint as checkpoint
+
+    if library == "safetensors":
+        monkeypatch.setattr(io, "save_file", _safetensors_full(io.save_file))
+    else:
+        real_save, calls = checkpoint.torch.save, []
+
+        def torch_save(obj, path):
+            calls.append(path)
+            if len(calls) > 1:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 89472 vs 89360")
+            real_save(obj, path)
+
+        def disk_full(*_args, **_kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(checkpoint.torch, "save", torch_save)
+        monkeypatch.setattr(atomic.tempfile, "TemporaryFile", disk_full)
+    with pytest.raises(TrainingError) as raised:
+        _train(toy, "run.steps=4", "run.name=full", "run.save_every=2")
+    assert str(raised.value).count("\n") == 0
+    assert re.fullmatch(r"cannot write the checkpoint of step 4 into .*checkpoints \(No space left on device\); the "
+                        r"run stops here; the last checkpoint is step 2 \(resume with `tailtamer train --resume .*`\)",
+                        str(raised.value)), str(raised.value)
+    run = tmp_path / "runs" / "full"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # no partial one
+    monkeypatch.undo()
+    _train(toy, "run.steps=4", resume=run)
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
+
+
+def test_a_library_error_that_is_not_the_disk_stays_what_it_is(tmp_path):
+    from tailtamer.atomic import atomic_write
+
+    def broken(_path):
+        raise RuntimeError("a bug in the writer")
+
+    with pytest.raises(RuntimeError, match="a bug in the writer"):  # the disk takes more: not a write error
+        atomic_write(tmp_path / "x", broken)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_drafter_checkpoint_that_cannot_be_written_is_one_error_in_the_training_thread(tmp_path, monkeypatch,
+                                                                                        capsys):
+    from tailtamer.drafter import spot
+    from tailtamer.drafter.buffer import DataBuffer
+    from tailtamer.errors import WriteError
+    from tailtamer.model.drafter import init_drafter
+    from conftest import random_model
+
+    def full_disk(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spot, "write_drafter", full_disk)
+    trainer = spot.SpotTrainer(init_drafter(random_model()), DataBuffer(1 << 20), spot.SpotConfig(), 0)
+    trainer.checkpoint_async(tmp_path / "drafter")
+    with pytest.raises(WriteError, match=f"^cannot write the drafter into {tmp_path / 'drafter'} \\(No space left"):
+        trainer.wait()
+    trainer.wait()  # said once
+    assert "Traceback" not in capsys.readouterr().err  # nothing from the writer's thread
 
 
 def test_a_read_only_output_directory_is_a_startup_error(toy, tmp_path):

@@ -22,7 +22,7 @@ import torch
 from tailtamer.config_fields import at_least, f, positive
 from tailtamer.drafter.buffer import DataBuffer, pairs
 from tailtamer.drafter.train import eagle_loss, pack
-from tailtamer.errors import ConfigError
+from tailtamer.errors import ConfigError, WriteError
 from tailtamer.model.drafter import Drafter, drafter_tensors, write_drafter
 from tailtamer.rl.optim import adamw
 
@@ -61,6 +61,7 @@ class SpotTrainer:
         self.optimizer = adamw(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
         self.steps = 0
         self._writer: threading.Thread | None = None
+        self._write_error: WriteError | None = None  # of the last background checkpoint
 
     def train(self, should_stop: Callable[[], bool], deadline: float | None = None) -> dict:
         """Drafter steps until `should_stop()` (checked before every step's forward and its
@@ -116,11 +117,22 @@ class SpotTrainer:
         time training waits), write them in a background thread. One write at a time."""
         self.wait()
         tensors = drafter_tensors(self.drafter)
-        self._writer = threading.Thread(target=write_drafter, args=(tensors, self.drafter.config, out_dir), daemon=True)
+
+        def write() -> None:
+            try:
+                write_drafter(tensors, self.drafter.config, out_dir)
+            except OSError as e:  # raised by the next wait(), in the training thread
+                self._write_error = WriteError(f"cannot write the drafter into {out_dir} ({e.strerror or e})")
+
+        self._writer = threading.Thread(target=write, daemon=True)
         self._writer.start()
         return self._writer
 
     def wait(self) -> None:
+        """Wait for the checkpoint being written; a write it could not make is raised here."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
+        error, self._write_error = self._write_error, None
+        if error is not None:
+            raise error

@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from tailtamer.atomic import atomic_write_json, atomic_write_text
+from tailtamer.atomic import atomic_write_json, atomic_write_text, writing
 from tailtamer.config import TrainConfig, to_dict
 from tailtamer.device import autocast, gpu_count, resolve_device, train_device
 from tailtamer.dist import Workers, resolve_workers, spawn
-from tailtamer.errors import ConfigError, TailtamerError
+from tailtamer.errors import ConfigError, TailtamerError, WriteError
 from tailtamer.metrics import RunLog, run_summary
 from tailtamer.model.drafter import weights_checksum
 from tailtamer.pace import ENV as PACE_ENV, Pace
@@ -379,8 +379,8 @@ def _checkpoint(s: RunState) -> None:
                             {"weights_sha": weights_checksum(s.model), "eval_accuracy": evaluated},
                             keep=s.cfg.run.keep_checkpoints, extra=extra)
         except OSError as e:
-            raise TrainingError(f"cannot write the checkpoint of step {s.step} into {s.run_dir / 'checkpoints'} "
-                                f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
+            raise WriteError(f"cannot write the checkpoint of step {s.step} into {s.run_dir / 'checkpoints'} "
+                             f"({e.strerror or e})") from None
     s.saved_step = s.step  # on every worker, so that all of them agree on what is saved
 
 
@@ -437,7 +437,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
     s = setup(cfg, resume, log, w)
     if w.is_main:
         if resume is None:
-            atomic_write_text(s.run_dir / "config.yaml", yaml.safe_dump(to_dict(s.cfg), sort_keys=False))
+            with writing("the run's config.yaml", s.run_dir, "; nothing was trained"):
+                atomic_write_text(s.run_dir / "config.yaml", yaml.safe_dump(to_dict(s.cfg), sort_keys=False))
         else:
             record_resume(s.run_dir, s.step, to_dict(cfg), changes, log)
         s.history = keep_metrics_through(s.run_dir / "metrics.jsonl", s.step, log)
@@ -472,11 +473,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                 samples = row.pop("samples")
                 s.history.append(row)
                 if out is not None:
-                    try:
+                    with writing(f"the metrics of step {s.step}", s.run_dir):
                         out.log(row, samples)
-                    except OSError as e:
-                        raise TrainingError(f"cannot write the metrics of step {s.step} into {s.run_dir} "
-                                            f"({e.strerror or e}); the run stops here; {_resume_hint(s)}") from None
                     notice = s.rollout.notice
                     if notice and notice not in reported:
                         reported.add(notice)
@@ -503,6 +501,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                     pace.done(s.step - 1)
             pace.finish(cfg.run.steps)
             completed = True
+        except WriteError as e:  # a full disk, say: the writes are atomic, so every earlier file is intact
+            raise TrainingError(f"{e}; the run stops here; {_resume_hint(s)}") from None
         except KeyboardInterrupt:
             hurry = True  # a second Ctrl-C: no summary or plots either
             raise Interrupted(f"stopped at once by a second Ctrl-C in step {s.step + 1}; {_resume_hint(s)}") from None
@@ -510,7 +510,10 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
             if out is not None:
                 out.close()
             if s.drafter is not None:
-                s.drafter.wait()
+                try:
+                    s.drafter.wait()
+                except WriteError as e:  # raised after the error being reported, if any: said, not raised
+                    log(str(e))
             s.scorer.close()
             s.rollout.close()
             if w.is_main and not completed and s.history and not hurry:  # stopped or failed: its steps so far
@@ -518,7 +521,10 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                     _summarize(s, w.world, time.perf_counter() - t0, finished=False)
                 except (Exception, KeyboardInterrupt) as e:  # what stopped the run is the error to report
                     log(f"no summary or plots written in {s.run_dir} ({type(e).__name__}: {e})")
-    return _summarize(s, w.world, time.perf_counter() - t0, finished=True) if w.is_main else None
+    if not w.is_main:
+        return None
+    with writing("summary.json and the plots", s.run_dir, f"; the run finished ({_resume_hint(s)})"):
+        return _summarize(s, w.world, time.perf_counter() - t0, finished=True)
 
 
 def _summarize(s: RunState, world: int, seconds: float, finished: bool) -> dict:
