@@ -51,17 +51,13 @@ def run_trl(model_dir: Path, step_batches: list[list[dict]], args, out_dir: Path
     except ImportError as e:
         raise SystemExit(f"error: this benchmark needs TRL ({e}); run `pip install trl`") from None
 
-    from tailtamer.tasks.arithmetic import ANSWER_RE
+    from tailtamer.tasks.arithmetic import reward
 
     seen_prompts = []
 
-    def correct(completions, answer, prompts, **_):
+    def correct(completions, answer, prompts, **_):  # the task's own scorer, as tailtamer's arm uses
         seen_prompts.append(sorted(set(prompts)))
-        out = []
-        for text, truth in zip(completions, answer):
-            m = ANSWER_RE.search(text)
-            out.append(float(m is not None and m.group(1) == truth))
-        return out
+        return [reward(text, truth) for text, truth in zip(completions, answer)]
 
     class StepTimes(TrainerCallback):
         def __init__(self):
