@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from tailtamer.config_fields import absolute_paths, at_least, at_most, f, positive
+from tailtamer.config_fields import absolute_paths, at_least, at_most, f, positive, same_as
 from tailtamer.device import TRAIN_DTYPES
 from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError
@@ -24,6 +24,7 @@ from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LO
 from tailtamer.rl.optim import LR_SCHEDULES
 from tailtamer.rl.sharding import SHARDINGS
 from tailtamer.rollout.backend import BACKENDS
+from tailtamer.rollout.engine import EngineConfig
 from tailtamer.rollout.speculator import SpecConfig
 from tailtamer.rollout.vllm_backend import VLLMConfig, vllm_spec
 
@@ -131,7 +132,7 @@ class RolloutConfig:
     max_new_tokens: int = f(320, "response length limit")
     temperature: float = f(1.0, "sampling temperature (also used for the policy's log-probs)")
     top_p: float = f(1.0, "nucleus sampling")
-    max_batch_size: int = f(512, "requests decoded together")
+    max_batch_size: int = same_as(EngineConfig, "max_batch_size")
     backend: str = f("tailtamer", "the rollout engine: tailtamer (our embedded engine) or vllm (one vLLM engine per "
                                   "worker, in the environment `make vllm-env` creates; README, 'vLLM')")
 

@@ -3,6 +3,7 @@ files a config names made absolute paths."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import field
 
@@ -32,6 +33,13 @@ def f(default, help: str):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def same_as(cls, name: str):
+    """The field `name` of dataclass `cls` (its default and help) for another section that
+    sets the same thing: declared once."""
+    source = next(fl for fl in dataclasses.fields(cls) if fl.name == name)
+    return f(source.default, source.metadata["help"])
 
 
 def _absolute(path, keep: tuple[str, ...] = ()):

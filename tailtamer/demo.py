@@ -17,9 +17,8 @@ from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.stats import RolloutStats
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.sft import SFTConfig, ensure_base_model
-from tailtamer.tasks.arithmetic import ArithmeticTask, length_stats, reward
+from tailtamer.tasks.arithmetic import HELD_OUT_SEED, ArithmeticTask, length_stats, reward
 
-HELD_OUT_SEED = 1_000_003  # SFT draws its problems from SFTConfig.seed; evaluation never overlaps
 
 
 def tail_share(stats: RolloutStats, batch: int, fraction: float = 0.25) -> dict:

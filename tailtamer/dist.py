@@ -26,7 +26,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -36,8 +35,6 @@ from tqdm import tqdm
 from tailtamer.device import collective_backend
 from tailtamer.errors import TailtamerError
 from tailtamer.stopping import Interrupted, StopRequest, exit_with_parent
-from tailtamer.rl.batching import Samples, balanced_shares_by_group, computed_mask, needed_width
-from tailtamer.rl.run_dir import has_checkpoint
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
@@ -120,38 +117,6 @@ class Workers:
         out = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
-
-    def rebalance(self, samples: Samples, pad_id: int, group_of: Callable[[torch.Tensor], torch.Tensor],
-                  skip_zero_advantage: bool = False) -> Samples:
-        """Re-deal the step's samples for the update so every worker gets about as many tokens
-        of the policy loss in each minibatch (`balanced_shares_by_group`, the minibatch of a
-        sample given by `group_of` its global index): each worker rolled out its own prompts,
-        and on long-tailed lengths one of them would otherwise hold the longest responses and
-        keep the rest waiting at every gradient all-reduce (verl's balance_batch, per optimizer
-        step). A sample no forward computes (dropped by the loss, or of advantage 0 with
-        `skip_zero_advantage`: `batching.computed_mask`) costs nothing. Rows travel trimmed to
-        what they need."""
-        if self.world == 1:
-            return samples
-        s = samples
-        needed = needed_width(s.mask).tolist()
-        # Plain lists travel: pickling a tensor per row costs ~0.1 s per step for 64 rows.
-        mine = list(zip([s.ids[i, :n].tolist() for i, n in enumerate(needed)],
-                        [s.mask[i, : n - 1].tolist() for i, n in enumerate(needed)],
-                        s.keep.tolist(), s.advantages.tolist(), s.index.tolist(),
-                        computed_mask(s, skip_zero_advantage).any(1).tolist()))
-        rows = [row for part in self.gather(mine) for row in part]
-        costs = [len(r[0]) if r[5] else 0 for r in rows]
-        groups = group_of(torch.tensor([r[4] for r in rows])).tolist()
-        share = balanced_shares_by_group(costs, groups, self.world)[self.rank]
-        width = max([len(rows[i][0]) for i in share] + [2])
-        ids = torch.full((len(share), width), pad_id, dtype=s.ids.dtype)
-        mask = torch.zeros(len(share), width - 1, dtype=torch.bool)
-        for j, i in enumerate(share):
-            ids[j, : len(rows[i][0])] = torch.tensor(rows[i][0], dtype=s.ids.dtype)
-            mask[j, : len(rows[i][1])] = torch.tensor(rows[i][1], dtype=torch.bool)
-        column = lambda k, dtype: torch.tensor([rows[i][k] for i in share], dtype=dtype)  # noqa: E731
-        return Samples(ids, mask, column(2, torch.bool), column(3, s.advantages.dtype), column(4, torch.long))
 
     def share(self, make: Callable[[], object]):
         """Worker 0 computes `make()` (may take long: the base model's SFT), the others wait for
@@ -306,12 +271,12 @@ def _exit(code: int) -> None:
 FAILURE_GRACE_S = 30.0
 
 
-def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
+def spawn(world: int, entry: Callable, args: tuple, resume_note: Callable[[], str]):
     """Run `entry(*args)` in `world` local worker processes and return worker 0's result. If
     one raises or dies, the others get FAILURE_GRACE_S to end, then are killed, and a
-    WorkerError says which failed first and why; checkpoints are written atomically, so the
-    last one in `run_dir` stays valid. A SIGTERM to this process is passed on to the workers,
-    which stop after their step, as with Ctrl-C."""
+    WorkerError says which failed first and why, and `resume_note()` what is left to resume
+    (checkpoints are written atomically, so the last one stays valid). A SIGTERM to this
+    process is passed on to the workers, which stop after their step, as with Ctrl-C."""
     from multiprocessing.connection import wait
 
     import torch.multiprocessing as mp
@@ -353,11 +318,11 @@ def spawn(world: int, entry: Callable, args: tuple, run_dir: str):
                     _kill(procs)
         except KeyboardInterrupt:  # a second Ctrl-C
             _kill(procs)
-            raise Interrupted(f"stopped at once by a second Ctrl-C; {_resume_note(run_dir)}") from None
+            raise Interrupted(f"stopped at once by a second Ctrl-C; {resume_note()}") from None
     drain()
     if failed_at is not None:
         codes = [None if rank in killed else process.exitcode for rank, process in enumerate(procs)]
-        raise _failure(codes, errors, stop.reason, _resume_note(run_dir))
+        raise _failure(codes, errors, stop.reason, resume_note())
     if interrupted:
         raise Interrupted(interrupted.get(0) or next(iter(interrupted.values())))
     if value is None:
@@ -391,13 +356,6 @@ def _failure(codes: list, errors: list, stopped_by: str | None, resume: str) -> 
         return WorkerError(f"worker {rank}: {message}")
     rank = next(r for r, code in enumerate(codes) if code not in (None, 0))
     return _died(rank, codes[rank], resume)
-
-
-def _resume_note(run_dir: str) -> str:
-    """What a stopped run leaves to resume (checkpoints are written atomically)."""
-    if has_checkpoint(Path(run_dir)):
-        return f"the last checkpoint in {run_dir}/checkpoints stays valid (tailtamer train --resume {run_dir})"
-    return "no checkpoint was written yet, so there is nothing to resume"
 
 
 def _died(rank: int, exit_code: int, resume: str) -> WorkerError:

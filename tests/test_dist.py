@@ -5,6 +5,8 @@ import datetime
 import os
 import signal
 import time
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ import torch
 from tailtamer.config import load_train_config
 from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.dist import WorkerError, Workers, resolve_workers, spawn
-from tailtamer.rl.batching import balanced_shares, balanced_shares_by_group
+from tailtamer.rl.batching import balanced_shares, balanced_shares_by_group, rebalance
+from tailtamer.rl.run_dir import resume_note
 from tailtamer.rl.trainer import TrainingError, check_same_weights, run_worker, train
 from tailtamer.stopping import Interrupted
 from test_trainer import TIME_FIELDS, _comparable, _rows
@@ -67,7 +70,7 @@ def test_idle_worker_spot_trains_is_preempted_and_publishes(toy, drafter_dir, tm
                                          "spec.mode=on", f"spec.drafter={drafter_dir}", "spec.strategy=2_1_3",
                                          "spot.max_steps=100000", "spot.tokens_per_step=64"])
     run = tmp_path / "runs" / "spot2"
-    summary = spawn(2, uneven_worker, (cfg, None), str(run))
+    summary = spawn(2, uneven_worker, (cfg, None), partial(resume_note, run))
     assert summary["workers"] == 2
     rows = _rows(run)
     assert [r["workers"] for r in rows] == [2] * 4
@@ -107,7 +110,7 @@ def test_two_workers_roll_out_and_update_like_one(toy, tmp_path):
     base = toy + ["run.steps=2", "rl.minibatches=4", "rl.micro_batch_size=5"]
     one = train(load_train_config(None, base + ["run.name=one"]), log=quiet, console=quiet)
     two = spawn(2, run_worker, (load_train_config(None, base + ["run.name=two", "run.workers=2"]), None, quiet),
-                str(tmp_path / "runs" / "two"))
+                partial(resume_note, tmp_path / "runs" / "two"))
     assert one["workers"] == 1 and two["workers"] == 2
     for step, (a, b) in enumerate(zip(_rows(tmp_path / "runs" / "one"), _rows(tmp_path / "runs" / "two"))):
         # The same samples (each prompt keeps its sampling stream on whichever worker has it) ...
@@ -126,13 +129,13 @@ def test_a_dying_worker_stops_the_run_and_the_checkpoint_resumes(toy, tmp_path):
     cfg = load_train_config(None, common + ["run.steps=6", "run.name=dies"])
     start = time.time()
     with pytest.raises(WorkerError, match=r"worker 1 died \(killed by SIGKILL\).*stays valid"):
-        spawn(2, uneven_worker, (cfg, None, 5), str(run))  # dies in its 5th rollout
+        spawn(2, uneven_worker, (cfg, None, 5), partial(resume_note, run))  # dies in its 5th rollout
     assert time.time() - start < 60  # stopped by the launcher, not by the collective timeout
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest in ("step-000002", "step-000004") and (run / "checkpoints" / latest / "state.json").is_file()
-    spawn(2, run_worker, (load_train_config(run / "config.yaml", []), run, quiet), str(run))
+    spawn(2, run_worker, (load_train_config(run / "config.yaml", []), run, quiet), partial(resume_note, run))
     whole = load_train_config(None, common + ["run.steps=6", "run.name=whole"])
-    spawn(2, run_worker, (whole, None, quiet), str(tmp_path / "runs" / "whole"))
+    spawn(2, run_worker, (whole, None, quiet), partial(resume_note, tmp_path / "runs" / "whole"))
     assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "whole"))
     assert TIME_FIELDS - {"drafter_preempt_s"} <= set(_rows(run)[0])  # a drafter field; no drafter here
 
@@ -156,7 +159,7 @@ def test_waiting_for_the_long_tail_has_no_timeout(toy, tmp_path):
     """A rollout may run for hours; the wait for the last shard is not a collective with
     run.dist_timeout_s (here 2 s against a 4 s tail)."""
     cfg = load_train_config(None, toy + ["run.steps=2", "run.workers=2", "run.name=tail", "run.dist_timeout_s=2"])
-    summary = spawn(2, long_tail_worker, (cfg, None, 4.0), str(tmp_path / "runs" / "tail"))
+    summary = spawn(2, long_tail_worker, (cfg, None, 4.0), partial(resume_note, tmp_path / "runs" / "tail"))
     assert summary["steps"] == 2 and all(r["idle_worker_s"] > 3 for r in _rows(tmp_path / "runs" / "tail"))
 
 
@@ -181,7 +184,7 @@ def test_waiting_for_a_slow_reward_has_no_timeout(toy, tmp_path):
     run.dist_timeout_s (here 2 s against 4 s of scoring)."""
     cfg = load_train_config(None, toy + ["run.steps=2", "run.workers=2", "run.name=reward", "run.dist_timeout_s=2",
                                          "run.eval_every=0"])
-    summary = spawn(2, slow_reward_worker, (cfg, None, 4.0), str(tmp_path / "runs" / "reward"))
+    summary = spawn(2, slow_reward_worker, (cfg, None, 4.0), partial(resume_note, tmp_path / "runs" / "reward"))
     assert summary["steps"] == 2
 
 
@@ -210,7 +213,7 @@ def average_drafters(weights):
 
 def test_drafters_are_averaged_by_the_steps_each_worker_trained():
     # θ ← Σ_r w_r θ_r / Σ_r w_r on every worker; frozen tensors keep their own values
-    after, before = zip(*spawn(2, average_drafters, ([1.0, 3.0],), "runs/x"))
+    after, before = zip(*spawn(2, average_drafters, ([1.0, 3.0],), partial(resume_note, Path("runs/x"))))
     mine, theirs = torch.tensor(before[0][0]), torch.tensor(before[1][0])
     assert not torch.allclose(mine, theirs)
     expected = (1.0 * mine + 3.0 * theirs) / 4.0
@@ -218,16 +221,16 @@ def test_drafters_are_averaged_by_the_steps_each_worker_trained():
         torch.testing.assert_close(torch.tensor(after[rank][0]), expected, rtol=1e-6, atol=1e-7)
         assert after[rank][1] == before[rank][1]
     # a worker that trained nothing adds nothing; if none trained, nothing changes
-    after, before = zip(*spawn(2, average_drafters, ([0.0, 2.0],), "runs/x"))
+    after, before = zip(*spawn(2, average_drafters, ([0.0, 2.0],), partial(resume_note, Path("runs/x"))))
     assert after[0][0] == after[1][0] == before[1][0]
-    after, before = zip(*spawn(2, average_drafters, ([0.0, 0.0],), "runs/x"))
+    after, before = zip(*spawn(2, average_drafters, ([0.0, 0.0],), partial(resume_note, Path("runs/x"))))
     assert all(after[rank][0] == before[rank][0] for rank in (0, 1))
 
 
 def test_the_dead_worker_is_named_not_the_peer_that_noticed():
     for _ in range(3):  # whichever the launcher sees first, the dead one is reported
         with pytest.raises(WorkerError, match=r"worker 1 died \(killed by SIGKILL\).*no checkpoint was written yet"):
-            spawn(2, kill_worker_1, (), "runs/x")
+            spawn(2, kill_worker_1, (), partial(resume_note, Path("runs/x")))
 
 
 def fail_worker_0_while_1_computes():
@@ -244,7 +247,7 @@ def test_a_worker_that_does_not_end_after_a_failure_is_killed_after_the_grace(mo
     monkeypatch.setattr(dist, "FAILURE_GRACE_S", 1.0)
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"^worker 0: a bad row$"):
-        spawn(2, fail_worker_0_while_1_computes, (), "runs/x")
+        spawn(2, fail_worker_0_while_1_computes, (), partial(resume_note, Path("runs/x")))
     assert time.monotonic() - t0 < 60
 
 
@@ -257,13 +260,13 @@ def interrupt_worker_1():
 
 def test_ctrl_c_before_the_first_step_is_a_stop_not_a_death(tmp_path):
     with pytest.raises(Interrupted, match=r"stopped by Ctrl-C; no checkpoint was written yet, so there is nothing"):
-        spawn(2, interrupt_worker_1, (), str(tmp_path / "never"))
+        spawn(2, interrupt_worker_1, (), partial(resume_note, tmp_path / "never"))
 
 
 def test_a_worker_error_is_reported_with_its_message(toy, tmp_path):
     cfg = load_train_config(None, toy + ["run.steps=1", "run.workers=2", "rl.reward=no_such_module:f"])
     with pytest.raises(WorkerError, match=r"worker \d: .*no_such_module"):
-        spawn(2, run_worker, (cfg, None, quiet), str(tmp_path / "runs" / "x"))
+        spawn(2, run_worker, (cfg, None, quiet), partial(resume_note, tmp_path / "runs" / "x"))
 
 
 def test_shards_are_contiguous_and_cover_everything():
@@ -350,11 +353,12 @@ def test_fsdp_sharded_policy_trains_and_resumes_like_the_unsharded_one(toy, tmp_
     unsharded; its checkpoint (the optimizer state gathered) resumes the run."""
     base = toy + ["rl.minibatches=2", "rl.micro_batch_size=5", "run.workers=2", "run.save_every=2", "rl.lr=1e-3"]
     spawn(2, run_worker, (load_train_config(None, base + ["run.steps=4", "run.name=flat"]), None, quiet),
-          str(tmp_path / "runs" / "flat"))
+          partial(resume_note, tmp_path / "runs" / "flat"))
     sharded = base + ["run.shard=fsdp", "run.name=sharded"]
     run = tmp_path / "runs" / "sharded"
-    spawn(2, run_worker, (load_train_config(None, sharded + ["run.steps=2"]), None, quiet), str(run))
-    spawn(2, run_worker, (load_train_config(run / "config.yaml", ["run.steps=4"]), run, quiet), str(run))
+    spawn(2, run_worker, (load_train_config(None, sharded + ["run.steps=2"]), None, quiet), partial(resume_note, run))
+    spawn(2, run_worker, (load_train_config(run / "config.yaml", ["run.steps=4"]), run, quiet),
+          partial(resume_note, run))
     flat, rows = _rows(tmp_path / "runs" / "flat"), _rows(run)
     assert len(rows) == 4
     for step, (a, b) in enumerate(zip(flat, rows)):
@@ -388,14 +392,14 @@ def test_rebalance_deals_only_what_the_update_computes():
     def sent(s: Samples) -> list:  # what a worker puts into the gather
         w, out = Workers(rank=0, world=2), []
         w.gather = lambda obj: out.append(obj) or [obj, obj]
-        w.rebalance(s, 0, one_minibatch, True)
+        rebalance(w, s, 0, one_minibatch, True)
         return out[0]
 
     both, shares = [sent(mine), sent(theirs)], []
     for rank, s in enumerate((mine, theirs)):
         w = Workers(rank=rank, world=2)
         w.gather = lambda obj: both
-        share = w.rebalance(s, 0, one_minibatch, True)
+        share = rebalance(w, s, 0, one_minibatch, True)
         shares.append(share.index.tolist())
         for i, j in enumerate(share.index.tolist()):  # every row arrives whole
             length = int(share.mask[i].sum())

@@ -256,7 +256,7 @@ def test_the_inference_step_follows_the_drafters_weights():
     parameters are replaced (`assign=True`), and at every rollout, after changes no version
     counter records (a fused optimizer step, as the spot trainer takes): never stale in the
     engine."""
-    from tailtamer.rl.optim import adamw
+    from tailtamer.adamw import adamw
     from tailtamer.rollout.eagle import EagleProposer
 
     target = random_model(tiny_config()).double()

@@ -68,3 +68,40 @@ def test_the_package_has_no_import_cycle():
     graph = {m: _imports(ast.parse(p.read_text()), mods) - {m} for m, p in mods.items()}
     assert "tailtamer.rl.trainer" in graph and "tailtamer.rl.run_state" in graph["tailtamer.rl.trainer"]
     assert import_cycles(graph) == []
+
+
+# The package's layers, lowest first: a module imports from its own layer or a lower one, never
+# a higher one (function-level imports count). The engine knows nothing of training, the
+# drafter's training nothing of RL, the workers nothing of what they run.
+LAYERS = [
+    {"errors", "atomic", "config_fields", "device", "stopping", "pace", "metrics", "plots", "token_budget",
+     "adamw", "jsonl"},  # helpers
+    {"model", "tasks"},
+    {"rollout"},
+    {"drafter", "memory", "sft"},
+    {"dist"},
+    {"rl", "config"},
+    {"demo", "bench", "bench_profile", "bench_train", "cli", "__main__"},  # commands
+]
+
+
+def layer_of(module: str) -> int:
+    part = module.split(".")[1] if "." in module else module
+    return next(i for i, layer in enumerate(LAYERS) if part in layer)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
+
+
+def test_the_direction_checker_finds_an_upward_import():
+    assert upward_imports({"tailtamer.rollout.engine": {"tailtamer.rl.batching", "tailtamer.model.io"},
+                           "tailtamer.rl.trainer": {"tailtamer.rollout.engine"}}) == \
+        ["tailtamer.rollout.engine -> tailtamer.rl.batching"]
+
+
+def test_imports_point_down_the_layers():
+    mods = {m: p for m, p in _modules().items() if m != "tailtamer"}
+    graph = {m: _imports(ast.parse(p.read_text()), mods) - {m} for m, p in mods.items()}
+    assert all(isinstance(layer_of(m), int) for m in graph)  # every module has its layer
+    assert upward_imports(graph) == []

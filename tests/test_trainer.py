@@ -447,7 +447,7 @@ def test_the_drafter_learns_from_every_response_whatever_the_policy_loss_keeps(t
 def test_micro_batch_cuts_minimise_padding_plus_call_cost():
     import itertools
 
-    from tailtamer.rl.batching import token_budget_chunks
+    from tailtamer.token_budget import token_budget_chunks
 
     widths = [40, 36, 190, 44, 38, 120, 41, 39, 37, 300, 42, 35]
 

@@ -24,7 +24,7 @@ from tailtamer.drafter.buffer import DataBuffer, pairs
 from tailtamer.drafter.train import eagle_loss, pack
 from tailtamer.errors import ConfigError, WriteError
 from tailtamer.model.drafter import Drafter, drafter_tensors, write_drafter
-from tailtamer.rl.optim import adamw
+from tailtamer.adamw import adamw
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def encode_texts(tokenizer, texts: list[str], max_len: int) -> list[list[int]]:
 
 def read_texts(path: str | Path) -> list[str]:
     """JSONL rows with `text`, or `prompt` + `response` (or the built-in task's `trace`)."""
-    from tailtamer.rl.data import read_jsonl
+    from tailtamer.jsonl import read_jsonl
 
     texts = []
     for row in read_jsonl(path):

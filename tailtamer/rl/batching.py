@@ -4,8 +4,11 @@ split into optimizer minibatches and length-sorted micro-batches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from tailtamer.token_budget import token_budget_chunks
 
 
 @dataclass
@@ -58,43 +61,6 @@ def needed_width(response_mask: torch.Tensor) -> torch.Tensor:
     needed = response_mask.shape[1] - response_mask.flip(1).int().argmax(1) + 1
     needed[~response_mask.any(1)] = 2
     return needed
-
-
-# A forward+backward call's fixed cost, in tokens of work, for the built-in base model (per-
-# operation overhead; measured 2026-12-04 by fitting time = fixed + tokens / rate over batch
-# shapes): ~50 tokens at one thread (the default job's workers: ~6 ms fixed, ~8,000 tokens/s)
-# and ~180 at two (~15 ms, ~11,600 tokens/s). In between, on the default job's minibatches the
-# cuts differ from either end's by one or two calls, under 5% of the modelled cost.
-CALL_OVERHEAD_TOKENS = 128
-
-
-def token_budget_chunks(widths: list[int], max_rows: int, max_tokens: int,
-                        overhead: int = CALL_OVERHEAD_TOKENS) -> list[list[int]]:
-    """Indices of `widths` in ascending width, cut into chunks (micro-batches, each padded to
-    its widest) of at most `max_rows` rows and `max_rows x width` <= `max_tokens` padded
-    tokens (a row wider than the budget goes alone), choosing the cuts that minimise
-
-        sum over chunks of (overhead + rows x widest)
-
-    by dynamic programming over the sorted widths: one chunk padded to the longest of a
-    long-tailed batch wastes most of its compute on padding, many small chunks pay the
-    per-call cost many times (verl's dynamic batch size, with the cut points optimised)."""
-    order = sorted(range(len(widths)), key=lambda i: (widths[i], i))
-    w = [widths[i] for i in order]
-    n = len(w)
-    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
-    for j in range(1, n + 1):  # best[j]: the first j sorted rows in chunks; chunk (i, j] ends at w[j-1]
-        for i in range(j - 1, max(-1, j - 1 - max_rows), -1):
-            if j - i > 1 and (j - i) * w[j - 1] > max_tokens:
-                break
-            cost = best[i] + overhead + (j - i) * w[j - 1]
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    chunks, j = [], n
-    while j > 0:
-        chunks.append(order[cut[j]: j])
-        j = cut[j]
-    return chunks[::-1]
 
 
 def minibatch_of(index: torch.Tensor, n_total: int, minibatches: int, generator: torch.Generator) -> torch.Tensor:
@@ -186,3 +152,36 @@ def response_batch(batch, completions, pad_id: int):
         prompt = len(seq) - len(c.token_ids)
         mask[i, prompt - 1: len(seq) - 1] = True
     return ids, mask
+
+
+def rebalance(workers, samples: Samples, pad_id: int, group_of: Callable[[torch.Tensor], torch.Tensor],
+              skip_zero_advantage: bool = False) -> Samples:
+    """Re-deal the step's samples for the update so every worker gets about as many tokens
+    of the policy loss in each minibatch (`balanced_shares_by_group`, the minibatch of a
+    sample given by `group_of` its global index): each worker rolled out its own prompts,
+    and on long-tailed lengths one of them would otherwise hold the longest responses and
+    keep the rest waiting at every gradient all-reduce (verl's balance_batch, per optimizer
+    step). A sample no forward computes (dropped by the loss, or of advantage 0 with
+    `skip_zero_advantage`: `batching.computed_mask`) costs nothing. Rows travel trimmed to
+    what they need."""
+    if workers.world == 1:
+        return samples
+    s = samples
+    needed = needed_width(s.mask).tolist()
+    # Plain lists travel: pickling a tensor per row costs ~0.1 s per step for 64 rows.
+    mine = list(zip([s.ids[i, :n].tolist() for i, n in enumerate(needed)],
+                    [s.mask[i, : n - 1].tolist() for i, n in enumerate(needed)],
+                    s.keep.tolist(), s.advantages.tolist(), s.index.tolist(),
+                    computed_mask(s, skip_zero_advantage).any(1).tolist()))
+    rows = [row for part in workers.gather(mine) for row in part]
+    costs = [len(r[0]) if r[5] else 0 for r in rows]
+    groups = group_of(torch.tensor([r[4] for r in rows])).tolist()
+    share = balanced_shares_by_group(costs, groups, workers.world)[workers.rank]
+    width = max([len(rows[i][0]) for i in share] + [2])
+    ids = torch.full((len(share), width), pad_id, dtype=s.ids.dtype)
+    mask = torch.zeros(len(share), width - 1, dtype=torch.bool)
+    for j, i in enumerate(share):
+        ids[j, : len(rows[i][0])] = torch.tensor(rows[i][0], dtype=s.ids.dtype)
+        mask[j, : len(rows[i][1])] = torch.tensor(rows[i][1], dtype=torch.bool)
+    column = lambda k, dtype: torch.tensor([rows[i][k] for i in share], dtype=dtype)  # noqa: E731
+    return Samples(ids, mask, column(2, torch.bool), column(3, s.advantages.dtype), column(4, torch.long))

@@ -7,46 +7,13 @@ Every error names the file and the 1-based row, and is raised before any work st
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from tailtamer.errors import DataError
+from tailtamer.jsonl import check_file, read_jsonl
 from tailtamer.model.tokenizer import Tokenizer
-
-
-def check_file(path: Path) -> None:
-    if path.is_dir():
-        raise DataError(f"{path}: is a directory; give the JSONL or parquet file in it")
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
-    check_file(path)
-    rows = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark, as Windows writes
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            except RecursionError:
-                raise DataError(f"{path}:{lineno}: JSON nested too deeply") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            row["_row"] = lineno
-            rows.append(row)
-    if not rows:
-        raise DataError(f"{path}: no rows (the file is empty)")
-    return rows
+from tailtamer.tasks.arithmetic import HELD_OUT_SEED, ArithmeticTask
 
 
 def prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str = "prompt", mappable: bool = False) -> str:
@@ -252,10 +219,8 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
     """(train rows, eval rows, prompts skipped as longer than `limit` tokens) for a
     TrainConfig's data section: the built-in task's problems, or the files'."""
     if cfg.data.train == "builtin":
-        from tailtamer.demo import HELD_OUT_SEED
-        from tailtamer.tasks.arithmetic import ArithmeticTask
-
         task = ArithmeticTask()
+
         def rows(problems):
             return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
         train = rows(task.dataset(cfg.data.n_builtin, seed=cfg.run.seed + 17))

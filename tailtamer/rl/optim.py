@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from tailtamer.adamw import adamw
+
 
 def constant(progress: float, min_ratio: float) -> float:
     """lr(p) = lr: the schedule of most GRPO recipes (verl's and TRL's GRPO defaults)."""
@@ -35,17 +37,6 @@ def lr_factor(schedule: str, step: int, warmup: int, total: int, min_ratio: floa
         return (step + 1) / warmup
     progress = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
     return LR_SCHEDULES[schedule](progress, min_ratio)
-
-
-def adamw(params, **settings) -> torch.optim.AdamW:
-    """AdamW (Loshchilov & Hutter 2019) as torch's fused kernel where it runs, plain CPU or CUDA
-    tensors: one kernel for every parameter instead of about ten tensor operations per
-    parameter list (on the base model 0.9 against 5.3 ms a step, one thread, measured
-    2026-12-04); torch's default implementation otherwise (FSDP2's DTensor shards)."""
-    params = list(params)
-    fused = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") and p.is_floating_point()
-                for p in params)
-    return torch.optim.AdamW(params, fused=fused or None, **settings)
 
 
 def make_optimizer(model: torch.nn.Module, rl, total_rl_steps: int):

@@ -86,6 +86,13 @@ def finished_a_step(path: Path) -> bool:
     return (metrics.is_file() and metrics.stat().st_size > 0) or (path / "checkpoints").exists()
 
 
+def resume_note(run_dir: Path) -> str:
+    """What a stopped run leaves to resume (checkpoints are written atomically)."""
+    if has_checkpoint(Path(run_dir)):
+        return f"the last checkpoint in {run_dir}/checkpoints stays valid (tailtamer train --resume {run_dir})"
+    return "no checkpoint was written yet, so there is nothing to resume"
+
+
 def has_checkpoint(path: Path) -> bool:
     return (path / "checkpoints" / "latest").is_file()
 

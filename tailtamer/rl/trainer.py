@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from functools import partial
 import warnings
 from pathlib import Path
 
@@ -39,10 +40,10 @@ from tailtamer.model.drafter import weights_checksum
 from tailtamer.pace import ENV as PACE_ENV, Pace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
-from tailtamer.rl.batching import Samples, minibatch_of, response_batch, update_plan
+from tailtamer.rl.batching import Samples, minibatch_of, rebalance, response_batch, update_plan
 from tailtamer.rl.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
 from tailtamer.rl.rewards import merge_failures
-from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_resume, resume_changes
+from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_resume, resume_changes, resume_note
 from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, setup, training_prompts
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics
 from tailtamer.rollout.backend import RolloutBackendError
@@ -159,9 +160,9 @@ def rl_step(s: RunState) -> dict:
     n_total = len(prompts) * roll.group_size
     shuffle = lambda: torch.Generator().manual_seed(cfg.run.seed + s.step)  # noqa: E731 (the step's minibatches)
     skip = rl.skips_zero_advantage
-    samples = w.rebalance(Samples(ids, response_mask, keep, advantages, torch.arange(first, first + len(completions))),
-                          s.tokenizer.pad_token_id or 0,
-                          lambda index: minibatch_of(index, n_total, rl.minibatches, shuffle()), skip)
+    samples = rebalance(w, Samples(ids, response_mask, keep, advantages, torch.arange(first, first + len(completions))),
+                        s.tokenizer.pad_token_id or 0,
+                        lambda index: minibatch_of(index, n_total, rl.minibatches, shuffle()), skip)
     plan = update_plan(samples, n_total, rl.minibatches, rl.micro_batch_size, rl.micro_batch_tokens,
                        roll.max_new_tokens, grpo.AGGREGATIONS[rl.loss_agg], shuffle(), w.sum, skip)
     old_logps, ref_logps = old_log_probs(s, samples, plan)
@@ -585,6 +586,6 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
                       f"share (rollout.prompts_per_step={cfg.rollout.prompts_per_step}, data.train={cfg.data.train})")
         if world == 1:
             return train(cfg, resume, console=console, claimed=True)
-        return spawn(world, run_worker, (cfg, resume, console, True), str(run_dir_of(cfg, resume)))
+        return spawn(world, run_worker, (cfg, resume, console, True), partial(resume_note, run_dir_of(cfg, resume)))
     finally:
         lock.release(remove_if_unused=True)

@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from tailtamer.config_fields import f
+from tailtamer.config_fields import at_least, f
 from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.transformer import KVCache, Transformer
-from tailtamer.rl.batching import token_budget_chunks
+from tailtamer.token_budget import token_budget_chunks
 from tailtamer.rollout.sampling import SamplingParams, request_key, sample, target_probs, uniforms
 from tailtamer.rollout.speculative import Strategy, accept
 from tailtamer.rollout.speculator import Speculator
@@ -54,12 +54,8 @@ class EngineConfig:
     max_tokens: int | None = f(None, "admit while sum(prompt + max_new_tokens) of running requests fits")
 
     def __post_init__(self):
-        if self.max_batch_size < 1:
-            raise ConfigError(f"engine.max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ConfigError(f"engine.max_seq_len must be >= 2, got {self.max_seq_len}")
-        if self.max_tokens is not None and self.max_tokens < 2:
-            raise ConfigError(f"engine.max_tokens must be >= 2, got {self.max_tokens}")
+        at_least(self, "engine", 1, "max_batch_size")
+        at_least(self, "engine", 2, *(name for name in ("max_seq_len", "max_tokens") if getattr(self, name) is not None))
 
 
 @dataclass

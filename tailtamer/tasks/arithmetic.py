@@ -28,6 +28,8 @@ import numpy as np
 from tailtamer.errors import ConfigError
 
 ANSWER_RE = re.compile(r"answer:\s*(-?\d+)")
+# The held-out problems' seed: SFT draws its problems from SFTConfig.seed, so evaluation never overlaps them.
+HELD_OUT_SEED = 1_000_003
 OP_RE = re.compile(r"[+-]\d")
 
 
