@@ -88,11 +88,12 @@ def at_least_one(value: int, flag: str) -> int:
 
 
 def cmd_train(args) -> None:
-    from tailtamer.config import config_help, load_train_config
+    from tailtamer.config import config_help, config_reference, load_train_config
     from tailtamer.rl.trainer import launch
 
     if args.help_config:
-        print("\n".join(config_help()))
+        print(config_reference() if args.help_config == "markdown" else "\n".join(config_help()), end="" if
+              args.help_config == "markdown" else "\n")
         return
     items = list(args.items)
     path = items.pop(0) if items and "=" not in items[0] else None
@@ -329,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="GRPO-family RL; no arguments = the built-in default job")
     tr.add_argument("items", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
     tr.add_argument("--resume", help="continue the run in this directory from its last checkpoint")
-    tr.add_argument("--help-config", action="store_true", help="list every config field with its default and help")
+    tr.add_argument("--help-config", nargs="?", const="text", choices=["text", "markdown"],
+                    help="list every config field with its default and help (markdown: docs/config.md)")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override, as `bench train --set` takes them (one per --set; the same as KEY=VALUE)")
     tr.set_defaults(func=cmd_train)

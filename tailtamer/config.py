@@ -396,6 +396,29 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
 
 
+REFERENCE_COMMAND = "tailtamer train --help-config markdown > docs/config.md"
+
+
+def config_reference() -> str:
+    """docs/config.md: every field of the default job's config, by section, with its default
+    and help (`REFERENCE_COMMAND` writes it; a test keeps it current)."""
+    lines = ["# Configuration reference", "",
+             f"Generated from the config's own help texts (`{REFERENCE_COMMAND}`; a test fails when it is out of",
+             "date). Defaults are the built-in default job's. Set a field in a YAML file of sections",
+             "(`tailtamer train job.yaml`) or on the command line (`tailtamer train rl.lr=1e-6 spec.mode=off`);",
+             "a run writes the resolved config to `runs/NAME/config.yaml`. Unknown fields and bad values are",
+             "refused at start-up with one line."]
+    section = None
+    for line in config_help():
+        name, rest = line.split(" = ", 1)
+        default, help_text = rest.split("    ", 1)
+        if name.split(".")[0] != section:
+            section = name.split(".")[0]
+            lines += ["", f"## {section}", "", "| field | default | what it sets |", "|---|---|---|"]
+        lines.append(f"| `{name}` | `{default}` | {help_text.replace('|', chr(92) + '|')} |")
+    return "\n".join(lines) + "\n"
+
+
 def config_help(cfg=None, where: str = "") -> list[str]:
     """`field = default    help` for every field, with the defaults of the built-in job
     (`TrainConfig()`, whose sections differ from their classes' own defaults)."""

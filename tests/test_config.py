@@ -149,3 +149,14 @@ def test_the_built_in_models_cache_is_named_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TAILTAMER_CACHE", "cache")
     assert cache_root() == tmp_path / "cache"
+
+
+def test_the_configuration_reference_is_current():
+    from pathlib import Path
+
+    from tailtamer.config import REFERENCE_COMMAND, config_reference
+
+    reference = config_reference()
+    assert "| `rollout.backend` | `'tailtamer'` |" in reference and "## vllm" in reference
+    path = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+    assert path.read_text() == reference, f"docs/config.md is out of date: run `{REFERENCE_COMMAND}`"

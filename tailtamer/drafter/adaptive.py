@@ -35,6 +35,8 @@ from tailtamer.rollout.sampling import SamplingParams
 
 
 class AdaptiveDrafter:
+    trains = True
+
     def __init__(self, drafter: Drafter, cfg: SpotConfig, workers, seed: int, depth: int,
                  params: SamplingParams, frozen: Drafter | None = None):
         self.drafter, self.cfg, self.workers = drafter, cfg, workers
@@ -76,10 +78,19 @@ class AdaptiveDrafter:
         """One worker has no idle time: train for `spot.window_s` after the update instead."""
         return self.train_while_idle(lambda: False, deadline=time.perf_counter() + self.cfg.window_s)
 
+    @property
+    def dropped(self) -> int:
+        """Buffer entries evicted so far to stay within spot.buffer_mb."""
+        return self.buffer.dropped
+
     def publish(self, steps: int) -> Callable[[], None]:
         """Start averaging the workers' drafters (`Workers.start_average`); the returned call
         finishes it, so the transfer overlaps the update."""
         return self.workers.start_average(self.drafter, steps)
+
+    def publish_to(self, backend) -> None:
+        """The averaged drafter into the rollout engine (our engine runs this very module)."""
+        backend.publish_drafter(self.drafter)
 
     def save(self, out_dir) -> None:
         save_drafter(self.drafter, out_dir)
@@ -89,3 +100,40 @@ class AdaptiveDrafter:
 
     def wait(self) -> None:
         self.trainer.wait()
+
+
+class NoDrafter:
+    """The adaptive drafter's part of the RL step where no drafter is trained (speculation off,
+    the n-gram drafter, spot.train=false, or one worker without a training window): every call
+    does nothing, so the RL step reads the same either way."""
+
+    trains = False
+    drafter = frozen = None
+    dropped = 0
+
+    def collector(self, step: int) -> None:
+        return None
+
+    def add_sequences(self, step: int, ids, response_mask, hidden) -> None:
+        pass
+
+    def train_while_idle(self, should_stop: Callable[[], bool], deadline: float | None = None) -> None:
+        return None
+
+    def train_in_window(self) -> None:
+        return None
+
+    def publish(self, steps: int) -> Callable[[], None]:
+        return lambda: None
+
+    def publish_to(self, backend) -> None:
+        pass
+
+    def save(self, out_dir) -> None:
+        pass
+
+    def checkpoint_async(self, out_dir) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
