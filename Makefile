@@ -20,7 +20,7 @@ VLLM_PKG   ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-
 VLLM_CACHE ?= $(HOME)/.cache/tailtamer
 VLLM_ENV   ?= $(VLLM_CACHE)/vllm-env-$(subst ==,-,$(VLLM_PKG))-$(subst ==,-,$(TORCH_PIN))
 VLLM_BIN    = $(VLLM_ENV)/bin
-VLLM_STAMP  = .cache/vllm-env.installed
+VLLM_STAMP  = .cache/$(notdir $(VLLM_ENV)).installed
 
 .PHONY: demo test test-fast test-vllm bench venv vllm-env clean
 

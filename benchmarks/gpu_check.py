@@ -121,6 +121,7 @@ import torch  # noqa: E402
 from tailtamer.device import device_name  # noqa: E402
 
 import vllm_check  # noqa: E402  (beside this file)
+from tailtamer.rollout.vllm_backend import vllm_installed  # noqa: E402
 
 CHECK_NAMES = ("parity", "lossless_sd", "bench", "rl_steps", "vllm")
 FAULTS = ("parity", "lossless_sd")
@@ -651,7 +652,7 @@ def main(argv=None) -> int:
         if name == "rl_steps" and args.skip_train:
             report["skipped"][name] = "--skip-train"
             continue
-        if name == "vllm" and not vllm_check.available():
+        if name == "vllm" and not vllm_installed():
             report["skipped"][name] = "vLLM is not installed in this Python (benchmarks/vllm_check.py)"
             continue
         left = args.budget_s - (time.perf_counter() - t0)

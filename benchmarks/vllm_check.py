@@ -33,7 +33,6 @@ NOTHING IN THIS FILE HAS RUN ON A GPU. Each GPU figure below is an expectation.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -50,10 +49,6 @@ SCALES = {
     "cpu-small": dict(hidden=64, heads=2, kv_heads=1, layers=2, vocab=101, preset="tiny", batches=(1, 16),
                       new_tokens=48, dtype="float32"),
 }
-
-
-def available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
 
 
 def _backend(model, model_dir, drafter, drafter_dir, mode, dtype, batch=256):

@@ -57,6 +57,27 @@ def test_the_vllm_export_has_no_fc_bias_and_vllms_architecture(target, tmp_path)
     assert "fc.bias" not in load_file(tmp_path / "v" / "model.safetensors")
 
 
+def test_a_drafter_with_a_zero_fc_bias_trains_for_vllm_without_one(target):
+    from tailtamer.rollout.vllm_backend import bias_free
+
+    drafter = init_drafter(target, seed=1, std=0.3).double()  # fc.bias zero-initialised, never trained
+    free = bias_free(drafter)
+    assert free.fc.bias is None and "fc.bias" not in dict(free.named_parameters())
+    ids, hidden = torch.randint(0, 100, (2, 5)), torch.randn(2, 5, 64, dtype=torch.float64)
+    assert torch.equal(free(ids, hidden)[0], drafter(ids, hidden)[0])
+    with torch.no_grad():
+        drafter.fc.bias[0] = 1.0
+    with pytest.raises(ConfigError, match="trained fc.bias"):
+        bias_free(drafter)
+
+
+def test_vllm_starts_with_every_arms_draft_length_in_its_table():
+    from tailtamer.rollout.vllm_backend import initial_table
+
+    assert initial_table([7, 4, 2], 512) == [[1, 1, 7], [2, 2, 4], [3, 3, 2], [4, 512, 0]]
+    assert initial_table([4], 1) == [[1, 1, 4]]
+
+
 def test_a_trained_fc_bias_is_refused_and_a_zero_one_dropped(target):
     drafter = init_drafter(target, seed=1)  # fc.bias zero-initialised: nothing trained into it
     assert "fc.bias" not in vllm_drafter_tensors(drafter)
@@ -159,13 +180,14 @@ def test_the_vllm_backend_takes_chains_for_the_default_arms():
 
 @pytest.mark.parametrize("override, message", [
     ("spec.strategies=[4_2_8,4_1_5,2_1_3]", "spec.strategies 4_2_8: vLLM drafts chains only"),
+    ("spec.strategy=4_2_8 spec.tuner=fixed", "spec.strategy 4_2_8: vLLM drafts chains only"),
     ("spec.compile=true", "with rollout.backend=vllm use vllm.compile"),
     ("vllm.kv_cache_gb=0", "vllm.kv_cache_gb must be > 0"),
     ("spec.acceptance=synthetic", "is refused: tailtamer only verifies losslessly"),
 ])
 def test_what_the_vllm_backend_cannot_run_is_refused_at_start_up(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_train_config(None, ["rollout.backend=vllm", override])
+        load_train_config(None, ["rollout.backend=vllm", *override.split()])
 
 
 def test_an_unknown_backend_is_refused():

