@@ -1,14 +1,14 @@
 """`tailtamer bench train`: the whole RL step of the default job, SD on against SD off.
 
-The two arms run as two `tailtamer train` processes that take turns step by step
-(`tailtamer.pace`): step i of one arm runs alone, then step i of the other, seconds apart, so
-the VM's drift over minutes falls on both. Which arm goes first alternates repeat by repeat.
+The two arms run as two training processes (`python -m tailtamer.bench_train DIR:ARM:ARMS
+key=value ...`, which hands the trainer a `tailtamer.pace.Pace`) that take turns step by step:
+step i of one arm runs alone, then step i of the other, seconds apart, so the VM's drift over
+minutes falls on both. Which arm goes first alternates repeat by repeat.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import statistics
@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from tailtamer.errors import ConfigError, TailtamerError
-from tailtamer.pace import ENV
 
 ARMS = {"sd": [], "off": ["spec.mode=off"]}
 # What `bench train` sets for each arm; an override of one would break the comparison.
@@ -27,8 +26,8 @@ BENCH_FIELDS = ("run.steps", "run.name", "run.out_dir", "spec.mode")
 
 
 def run_paced(jobs: dict[str, list[str]], logs: dict[str, Path], timeout_s: float | None = None) -> None:
-    """Run `tailtamer train ARGS` for every job at once, taking turns step by step; the
-    first job (in order) goes first. A job that fails stops the others; its log's last line
+    """Train every job at once (`arm_main`), taking turns step by step; the first job (in
+    order) goes first. A job that fails stops the others; its log's last line
     is the error. No timeout by default: a long tail may take as long as it takes."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="tailtamer-pace-") as pace:
@@ -37,9 +36,9 @@ def run_paced(jobs: dict[str, list[str]], logs: dict[str, Path], timeout_s: floa
         try:
             for arm, (name, args) in enumerate(jobs.items()):
                 with open(logs[name], "w") as log:
-                    procs[name] = subprocess.Popen([sys.executable, "-m", "tailtamer", "train", *args], stdout=log,
-                                                   stderr=subprocess.STDOUT,
-                                                   env={**os.environ, ENV: f"{pace}:{arm}:{len(jobs)}"})
+                    procs[name] = subprocess.Popen([sys.executable, "-m", "tailtamer.bench_train",
+                                                    f"{pace}:{arm}:{len(jobs)}", *args],
+                                                   stdout=log, stderr=subprocess.STDOUT)
             while True:
                 failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
                 if failed:
@@ -150,3 +149,23 @@ def train_report(rows: dict[str, list[list[dict]]], steps: int, repeats: int, ov
         "drafter_preempt_s_max": max((row.get("drafter_preempt_s") or 0.0) for run in rows["sd"] for row in run),
         "run_dirs": {k: str(Path(out_dir) / f"{k}-0") for k in ARMS},
     }
+
+
+def arm_main(argv: list[str]) -> int:
+    """One arm: `tailtamer train key=value ...` that takes its turns (argv: the pace's
+    DIR:ARM:ARMS, then the overrides). Its last line is its summary, or `error: ...`."""
+    from tailtamer.config import load_train_config
+    from tailtamer.pace import Pace
+    from tailtamer.rl.trainer import launch
+
+    try:
+        summary = launch(load_train_config(None, argv[1:]), console=print, pace=Pace(argv[0]))
+    except TailtamerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(arm_main(sys.argv[1:]))

@@ -125,19 +125,28 @@ def cmd_generate(args) -> None:
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.backend import EmbeddedBackend
     from tailtamer.rollout.speculator import make_speculator
-    from tailtamer.rollout.vllm_backend import VLLMBackend, VLLMConfig, require_vllm, vllm_spec
+    from tailtamer.rollout.vllm_backend import (VLLM_STRATEGIES, VLLM_STRATEGY, VLLMBackend, VLLMConfig, bias_free,
+                                                check_params, check_strategies, require_vllm)
 
     try:
-        spec = SpecConfig(mode=args.spec, strategy=args.strategy, drafter=args.drafter, bs_threshold=args.bs_threshold,
-                          tuner=args.tuner, compile=args.compile)
-        if args.backend == "vllm":
+        vllm = args.backend == "vllm"
+        if vllm:
             require_vllm("--backend vllm")
-            spec = vllm_spec(spec)
+            if args.dtype == "float64":
+                raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
+        arms = {"strategies": VLLM_STRATEGIES} if vllm else {}  # chains: vLLM drafts no trees
+        spec = SpecConfig(mode=args.spec, strategy=args.strategy or (VLLM_STRATEGY if vllm else "4_2_8"),
+                          drafter=args.drafter, bs_threshold=args.bs_threshold, tuner=args.tuner,
+                          compile=args.compile and not vllm, **arms)
+        if vllm:
+            check_strategies(spec)
     except ConfigError as e:  # named by the flags that set them here, not the config fields
         raise ConfigError(re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))) from None
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
     device = resolve_device(args.device)
+    if vllm:  # before anything loads or starts
+        check_params(params, spec.mode != "off", device.type)
     inputs = {"--prompts": args.prompts, "--model": args.model, **({"--drafter": args.drafter}
                                                                    if args.drafter not in (None, "ngram") else {})}
     output_file(args.out, "--out", inputs)
@@ -147,7 +156,8 @@ def cmd_generate(args) -> None:
     rows, prompts = load_prompts(args.prompts, tokenizer)
     if args.backend == "vllm":
         drafter = load_drafter(spec.drafter, model) if spec.mode != "off" and spec.drafter != "ngram" else None
-        engine = VLLMBackend(args.model, model, tokenizer, spec, drafter, VLLMConfig(), args.max_batch_size)
+        engine = VLLMBackend(args.model, model, tokenizer, spec, bias_free(drafter),
+                             VLLMConfig(dtype=args.dtype, compile=args.compile), args.max_batch_size)
     else:
         engine = EmbeddedBackend(Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
                                         speculator=make_speculator(spec, model)))
@@ -357,13 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="tailtamer", choices=["tailtamer", "vllm"],
                    help="the engine: tailtamer (embedded) or vllm (in the environment `make vllm-env` creates)")
     g.add_argument("--spec", default="off", choices=["off", "on", "adaptive"], help="speculative decoding")
-    g.add_argument("--strategy", default="4_2_8", help="DEPTH_TOPK_VERIFY draft tree")
+    g.add_argument("--strategy", help="DEPTH_TOPK_VERIFY draft tree (default 4_2_8; 4_1_5 with --backend vllm)")
     g.add_argument("--drafter", help="EAGLE drafter directory, or 'ngram'")
     g.add_argument("--bs-threshold", type=int, default=SpecConfig().bs_threshold,
                    help="adaptive: speculate once at most this many requests are running (default: "
                         f"{GPU_BS_THRESHOLD} on a GPU or with --tuner fixed, every batch size on a CPU)")
     g.add_argument("--tuner", default="beg", choices=["beg", "fixed"], help="adaptive: strategy choice")
-    g.add_argument("--compile", action="store_true", help="EAGLE: compile the draft chains (spec.compile)")
+    g.add_argument("--compile", action="store_true", help="EAGLE: compile the draft chains (spec.compile); with "
+                                                          "--backend vllm, vLLM compiles its model (vllm.compile)")
 
     dr = sub.add_parser("drafter", help="drafter tools")
     dsub = dr.add_subparsers(dest="drafter_command", required=True, parser_class=_Parser)

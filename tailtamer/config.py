@@ -26,7 +26,7 @@ from tailtamer.rl.sharding import SHARDINGS
 from tailtamer.rollout.backend import BACKENDS
 from tailtamer.rollout.engine import EngineConfig
 from tailtamer.rollout.speculator import SpecConfig
-from tailtamer.rollout.vllm_backend import VLLMConfig, vllm_spec
+from tailtamer.rollout.vllm_backend import VLLM_STRATEGIES, VLLM_STRATEGY, VLLMConfig, check_strategies
 
 
 class _YAML12Loader(yaml.SafeLoader):
@@ -245,7 +245,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.rollout.backend == "vllm":
-            object.__setattr__(self, "spec", vllm_spec(self.spec))
+            check_strategies(self.spec)
         if self.rl.overlong == "penalty" and self.rl.overlong_buffer >= self.rollout.max_new_tokens:
             raise ConfigError(f"rl.overlong_buffer ({self.rl.overlong_buffer}) must be below rollout.max_new_tokens "
                               f"({self.rollout.max_new_tokens}): the penalty would hit every response")
@@ -390,6 +390,11 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
         data = {k: {} if v is None else v for k, v in data.items()}  # `run:` with every key commented out
     for item in overrides:
         apply_override(data, item)
+    if isinstance(data.get("rollout"), dict) and data["rollout"].get("backend") == "vllm" and \
+            isinstance(data.setdefault("spec", {}), dict):
+        # our engine's default arms hold trees, which vLLM cannot draft: unset, its defaults are chains
+        data["spec"].setdefault("strategies", list(VLLM_STRATEGIES))
+        data["spec"].setdefault("strategy", VLLM_STRATEGY)
     try:
         return from_dict(TrainConfig, absolute_paths(data))
     except ConfigError as e:

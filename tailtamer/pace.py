@@ -6,10 +6,10 @@ took 1.58-2.26 s per step across runs of one day). Run side by side, the arms wo
 for the cores. Taking turns step by step does neither: arm a runs step i only when the turn
 counter reads i * arms + a, so the same step of every arm runs within seconds, alone.
 
-The benchmark starts each arm as its own `tailtamer train` process with
-TAILTAMER_PACE=DIR:ARM:ARMS in the environment (which its workers inherit); DIR holds the
-counter (`turn`) and a `ready-ARM` file per arm whose set-up is done. Unset, `Pace` does
-nothing, so an ordinary run never waits.
+The benchmark starts each arm as its own training process (`python -m tailtamer.bench_train
+DIR:ARM:ARMS key=value ...`) and hands the trainer a `Pace`, which its workers get too; DIR
+holds the counter (`turn`) and a `ready-ARM` file per arm whose set-up is done. An ordinary
+run has `NoPace`, which never waits.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
-ENV = "TAILTAMER_PACE"
 POLL_S = 0.02  # a turn starts within this of the last one ending; polling costs ~0.3% of a core
 # The first step waits this long after the last arm is set up: without it, whatever the set-ups
 # leave behind slowed the first steps (the second arm's by 0.3-0.5 s of a 0.5-0.9 s step on the
@@ -31,16 +31,26 @@ def turn_of(step: int, arm: int, arms: int) -> int:
     return step * arms + arm
 
 
-class Pace:
-    def __init__(self, spec: str | None):
-        self.dir = None
-        if spec:
-            where, arm, arms = spec.rsplit(":", 2)
-            self.dir, self.arm, self.arms = Path(where), int(arm), int(arms)
+class NoPace:
+    """What an ordinary run's steps wait for: nothing."""
 
-    @classmethod
-    def from_env(cls) -> "Pace":
-        return cls(os.environ.get(ENV))
+    def ready(self) -> None:
+        pass
+
+    def wait(self, step: int) -> None:
+        pass
+
+    def done(self, step: int, settle: Callable[[], None] = lambda: None) -> None:
+        pass
+
+    def finish(self, steps: int) -> None:
+        pass
+
+
+class Pace(NoPace):
+    def __init__(self, spec: str):
+        where, arm, arms = spec.rsplit(":", 2)
+        self.dir, self.arm, self.arms = Path(where), int(arm), int(arms)
 
     def _turn(self) -> int:
         try:
@@ -54,28 +64,24 @@ class Pace:
 
     def ready(self) -> None:
         """This arm's set-up is done (worker 0 says so)."""
-        if self.dir is not None:
-            (self.dir / f"ready-{self.arm}").touch()
+        (self.dir / f"ready-{self.arm}").touch()
 
     def wait(self, step: int) -> None:
         """Block until every arm is set up (and has settled, before the first step) and it is
         this arm's turn to run `step`."""
-        if self.dir is None:
-            return
         self._wait(lambda: all((self.dir / f"ready-{a}").exists() for a in range(self.arms)))
         if step == 0:
             time.sleep(SETTLE_S)
         self._wait(lambda: self._turn() == turn_of(step, self.arm, self.arms))
 
-    def done(self, step: int) -> None:
-        """`step` is over: the next arm's turn (worker 0 says so)."""
-        if self.dir is None:
-            return
+    def done(self, step: int, settle: Callable[[], None] = lambda: None) -> None:
+        """`step` is over, once `settle()` returns (its background writes): the next arm's turn
+        (worker 0 says so)."""
+        settle()
         tmp = self.dir / f".turn-{self.arm}"
         tmp.write_text(str(turn_of(step, self.arm, self.arms) + 1))
         os.replace(tmp, self.dir / "turn")
 
     def finish(self, steps: int) -> None:
         """Wait for every arm's last step, so no arm's wrapping up (plots) overlaps a step."""
-        if self.dir is not None:
-            self._wait(lambda: self._turn() >= steps * self.arms)
+        self._wait(lambda: self._turn() >= steps * self.arms)

@@ -14,7 +14,7 @@ import torch
 from tailtamer.config import TrainConfig
 from tailtamer.device import device_memory, resolve_device, train_device, train_dtype
 from tailtamer.dist import Workers
-from tailtamer.drafter.adaptive import AdaptiveDrafter
+from tailtamer.drafter.adaptive import AdaptiveDrafter, NoDrafter
 from tailtamer.errors import ConfigError
 from tailtamer.memory import available_memory, check_fits, estimate_for, format_estimate
 from tailtamer.metrics import check_loggers
@@ -51,7 +51,7 @@ class RunState:
     sharding: Replicated  # how the update's copy of the policy lies over the workers (run.shard)
     workers: Workers = field(default_factory=Workers)
     ref_model: torch.nn.Module | None = None
-    drafter: AdaptiveDrafter | None = None  # the adaptive drafter, when one is trained
+    drafter: AdaptiveDrafter | NoDrafter = field(default_factory=NoDrafter)  # the adaptive drafter, or none trained
     dtype: torch.dtype = torch.float32  # of the training forwards (run.dtype; weights stay float32)
     step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint
@@ -172,18 +172,22 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     resumed_drafter = checkpoint / "drafter" if resume is not None and (checkpoint / "drafter").is_dir() else None
     rollout = make_backend(cfg, model, tokenizer, model_dir, resumed_drafter, resume is not None)
-    if cfg.spec.mode == "adaptive" and cfg.spec.bs_threshold is None:  # resolved by the device: say how
-        threshold = rollout.bs_threshold
-        log(f"spec.bs_threshold unset: on {device.type} with rollout.backend={cfg.rollout.backend}, SD "
-            + ("at any batch size (the bandit decides)" if threshold is None else f"at most {threshold} running"))
-    adaptive = None
-    # With one worker and no training window there is no time to train the drafter in.
-    trains = workers.world > 1 or cfg.spot.single_worker == "window"
-    if cfg.spot.train and trains and rollout.drafter is not None:
-        frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
-        score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
-        adaptive = AdaptiveDrafter(rollout.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
-                                   Strategy.parse(cfg.spec.strategy).depth, score, frozen)
+    try:
+        if cfg.spec.mode == "adaptive" and cfg.spec.bs_threshold is None:  # resolved by the device: say how
+            threshold = rollout.bs_threshold
+            log(f"spec.bs_threshold unset: on {device.type} with rollout.backend={cfg.rollout.backend}, SD "
+                + ("at any batch size (the bandit decides)" if threshold is None else f"at most {threshold} running"))
+        adaptive = NoDrafter()
+        # With one worker and no training window there is no time to train the drafter in.
+        trains = workers.world > 1 or cfg.spot.single_worker == "window"
+        if cfg.spot.train and trains and rollout.drafter is not None:
+            frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
+            score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
+            adaptive = AdaptiveDrafter(rollout.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
+                                       Strategy.parse(cfg.spec.strategy).depth, score, frozen)
+    except BaseException:
+        rollout.close()  # a vLLM engine holds memory (and the drafter's export) until closed
+        raise
     order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, rollout, scorer, train_rows, eval_rows,
                     order, sharding, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
@@ -197,12 +201,16 @@ def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_dr
     if cfg.spec.mode != "off" and cfg.spec.drafter != "ngram":
         drafter = load_drafter(resumed_drafter or cfg.spec.drafter, model)
     if cfg.rollout.backend == "vllm":
-        from tailtamer.rollout.vllm_backend import VLLMBackend
+        from tailtamer.rollout.vllm_backend import VLLMBackend, bias_free
 
-        backend = VLLMBackend(model_dir, model, tokenizer, cfg.spec, drafter, cfg.vllm, cfg.rollout.max_batch_size,
-                              seed=cfg.run.seed)
+        backend = VLLMBackend(model_dir, model, tokenizer, cfg.spec, bias_free(drafter), cfg.vllm,
+                              cfg.rollout.max_batch_size, seed=cfg.run.seed)
         if resumed:  # the engine started from run.model: the checkpoint's policy goes in
-            backend.publish_policy(model)
+            try:
+                backend.publish_policy(model)
+            except BaseException:
+                backend.close()
+                raise
         return backend
     speculator = make_speculator(cfg.spec, model, drafter)
     return EmbeddedBackend(Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),

@@ -35,6 +35,31 @@ def weighted(pairs: list[tuple[float, float]]) -> float | None:
     return sum(v * w for v, w in pairs) / total if total else None
 
 
+def worker_share(clock: StepClock, rollout, completions: list, rewards, correct, lengths, by_function: dict, keep,
+                 advantages, drafter: dict | None, last_rollout_end: float, world: int, buffer_dropped: int,
+                 reward_failures: dict, samples: list[dict]) -> dict:
+    """This worker's share of a step's metrics row, as `merge` takes it from every worker:
+    its samples' outcomes, its rollout's statistics (`RolloutStats`), its clock's spans, and
+    its drafter's report (None: it did not train)."""
+    summary = rollout.summary()
+    rollout_end = clock.spans[0][2]
+    spot_end = clock.spans[-1][2] if drafter is None else next(b for n, _, b in clock.spans if n == "spot")
+    return {
+        "correct": correct.tolist(), "rewards": rewards.flatten().tolist(), "lengths": lengths.tolist(),
+        "by_function": by_function if len(by_function) > 1 else {},
+        "truncated": sum(c.finish_reason == "length" for c in completions), "kept": keep.sum().item(),
+        "zero_adv": int((advantages == 0).sum()),
+        "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
+        "compile_s": rollout.setup_s,
+        "accept_lens": rollout.accept_lens, "tail_s": rollout.tail_seconds(),
+        "rollout_end": rollout_end, "idle_s": max(0.0, last_rollout_end - rollout_end),
+        "train_s": clock.seconds("old_logprobs", "update"), "drafter": drafter,
+        "preempt_s": max(0.0, spot_end - last_rollout_end) if drafter and world > 1 else None,
+        "buffer_dropped": buffer_dropped, "reward_failures": reward_failures, "timeline": clock.spans,
+        "samples": samples,
+    }
+
+
 def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter: bool) -> dict:
     """The row of step `step` from every worker's share (`parts`, as `rl_step` gathers them),
     the update's statistics (the same on every worker) and the weights' checksums."""

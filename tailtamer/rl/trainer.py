@@ -37,7 +37,7 @@ from tailtamer.dist import Workers, resolve_workers, spawn
 from tailtamer.errors import ConfigError, TailtamerError, WriteError
 from tailtamer.metrics import RunLog, run_summary
 from tailtamer.model.drafter import weights_checksum
-from tailtamer.pace import ENV as PACE_ENV, Pace
+from tailtamer.pace import NoPace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
 from tailtamer.rl.batching import Samples, minibatch_of, rebalance, response_batch, update_plan
@@ -45,7 +45,7 @@ from tailtamer.rl.checkpoint import checkpoint_step, latest_checkpoint, save_che
 from tailtamer.rl.rewards import merge_failures
 from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_resume, resume_changes, resume_note
 from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, setup, training_prompts
-from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics
+from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics, worker_share
 from tailtamer.rollout.backend import RolloutBackendError
 from tailtamer.rollout.vllm_backend import require_vllm
 from tailtamer.rollout.sampling import SamplingParams
@@ -100,7 +100,7 @@ def rl_step(s: RunState) -> dict:
     s.model.eval()
     w.set_state("BUSY")
     # the drafter's data: the rollout's own hidden states where the backend hands them over
-    keep_hidden = s.drafter.collector(s.step) if s.drafter is not None and s.rollout.hidden_states else None
+    keep_hidden = s.drafter.collector(s.step) if s.rollout.hidden_states else None
     try:
         completions, rollout = s.rollout.generate([row["prompt_ids"] for row in batch], params, first_index=lo,
                                                   keep_hidden=keep_hidden)
@@ -116,8 +116,8 @@ def rl_step(s: RunState) -> dict:
 
     # 3. Idle time: until the last shard is done, the drafter scores itself on the newest
     #    responses and trains on the buffer; it checks the store before every drafter step.
-    drafter = None
-    if s.drafter is not None and w.world > 1 and not w.rollout_over(s.step):
+    drafter = None  # the spot trainer's report, if it trained
+    if s.drafter.trains and w.world > 1 and not w.rollout_over(s.step):
         w.set_state("TRAINING")
         drafter = s.drafter.train_while_idle(lambda: w.rollout_over(s.step))
         clock.mark("spot")
@@ -132,7 +132,7 @@ def rl_step(s: RunState) -> dict:
     last_rollout_end = w.wait_rollout(s.step)
     clock.mark("wait")
     # Every worker's idle-time drafter steps are over: their average travels during the update.
-    published = s.drafter.publish(drafter["steps"] if drafter else 0) if s.drafter is not None else None
+    published = s.drafter.publish(drafter["steps"] if drafter else 0)
     total, by_function = checked_rewards(s, scored)
     correct = torch.tensor(next(iter(by_function.values())))  # accuracy: the first function, unweighted
     rewards = total.view(len(batch), roll.group_size).clone()
@@ -178,15 +178,13 @@ def rl_step(s: RunState) -> dict:
     #    every engine runs; one worker (nothing to average) trains in a window here (opt-in).
     #    Then the new policy and drafter go into the rollout engine (our own engine runs the
     #    trainer's modules: nothing to copy; vLLM takes them in place and is checked).
-    if s.drafter is not None:
-        published()
-        if w.world == 1 and cfg.spot.single_worker == "window":
-            drafter = s.drafter.train_in_window()
-            clock.mark("spot")
+    published()
+    if s.drafter.trains and w.world == 1 and cfg.spot.single_worker == "window":
+        drafter = s.drafter.train_in_window()
+        clock.mark("spot")
     try:
         s.rollout.publish_policy(s.model)
-        if s.drafter is not None:
-            s.rollout.publish_drafter(s.drafter.drafter)
+        s.drafter.publish_to(s.rollout)
     except RolloutBackendError as e:
         raise TrainingError(f"after step {s.step + 1}: {e}; {_resume_hint(s)}") from None
     clock.mark("publish")
@@ -199,24 +197,10 @@ def rl_step(s: RunState) -> dict:
     clock.mark("check")
 
     # 10. Metrics: every worker's share, gathered and merged (identically on every worker).
-    summary = rollout.summary()
-    spot_end = clock.spans[-1][2] if drafter is None else next(b for n, _, b in clock.spans if n == "spot")
-    mine = {
-        "correct": correct.tolist(), "rewards": rewards.flatten().tolist(), "lengths": lengths.tolist(),
-        "by_function": by_function if len(by_function) > 1 else {},
-        "truncated": sum(c.finish_reason == "length" for c in completions), "kept": keep.sum().item(),
-        "zero_adv": int((advantages == 0).sum()),
-        "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
-        "compile_s": rollout.setup_s,
-        "accept_lens": rollout.accept_lens, "tail_s": rollout.tail_seconds(),
-        "rollout_end": clock.spans[0][2], "idle_s": max(0.0, last_rollout_end - clock.spans[0][2]),
-        "train_s": clock.seconds("old_logprobs", "update"), "drafter": drafter,
-        "preempt_s": max(0.0, spot_end - last_rollout_end) if drafter and w.world > 1 else None,
-        "buffer_dropped": s.drafter.buffer.dropped if s.drafter is not None else 0,
-        "reward_failures": s.scorer.failures, "timeline": clock.spans,
-        "samples": sample_log(s, batch, completions, rewards, lo) if logs_samples(cfg, s.step + 1) else [],
-    }
-    row = merge_step_metrics(w.gather(mine), s.step + 1, update, checksums, s.drafter is not None)
+    mine = worker_share(clock, rollout, completions, rewards, correct, lengths, by_function, keep, advantages,
+                        drafter, last_rollout_end, w.world, s.drafter.dropped, s.scorer.failures,
+                        sample_log(s, batch, completions, rewards, lo) if logs_samples(cfg, s.step + 1) else [])
+    row = merge_step_metrics(w.gather(mine), s.step + 1, update, checksums, s.drafter.trains)
     return {**row, "epoch": s.order.epochs_done(s.step + 1)}
 
 
@@ -254,7 +238,7 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
     extra_calls = s.sharding.extra_calls(plan)
     # Where the rollout backend keeps no hidden states (vLLM), the drafter learns from this
     # forward's: the target over every computed sequence, no extra forward (TLT §2.2).
-    feeds_drafter = s.drafter is not None and not s.rollout.hidden_states
+    feeds_drafter = not s.rollout.hidden_states
     for epoch in range(rl.ppo_epochs):
         for minibatch, extra in zip(plan, extra_calls):
             s.optimizer.zero_grad(set_to_none=True)
@@ -361,7 +345,10 @@ def evaluate_greedy(s: RunState) -> float | None:
     correct = 0.0
     if hi > lo:
         params = SamplingParams(temperature=0, max_new_tokens=s.cfg.rollout.max_new_tokens)
-        completions, _ = s.rollout.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
+        try:
+            completions, _ = s.rollout.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
+        except RolloutBackendError as e:
+            raise TrainingError(f"evaluation after step {s.step}: {e}; {_resume_hint(s)}") from None
         scored = s.scorer.score_calls(reward_items(rows[lo:hi], completions))
         correct = sum(parts[0][0] for parts in scored)  # the first reward function, unweighted
     s.workers.wait_for_all("eval")  # shards take unequal time: no collective timeout while waiting
@@ -373,7 +360,7 @@ def _checkpoint(s: RunState) -> None:
     that fails (full disk, read-only directory) stops the run; the last good one stays."""
     optimizer_state = s.sharding.optimizer_state(s.optimizer)  # a collective when sharded
     if s.workers.is_main:
-        extra = None if s.drafter is None else (lambda tmp: s.drafter.save(tmp / "drafter"))
+        extra = lambda tmp: s.drafter.save(tmp / "drafter")  # noqa: E731 (nothing without a trained drafter)
         try:
             evaluated = s.history[-1].get("eval_accuracy") if s.history else None  # of these weights, if evaluated
             save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, optimizer_state, s.scheduler,
@@ -402,10 +389,11 @@ def _save_before_stopping(s: RunState) -> str:
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print,
-          workers: Workers | None = None, claimed: bool = False) -> dict | None:
+          workers: Workers | None = None, claimed: bool = False, pace: NoPace = NoPace()) -> dict | None:
     """Run (or resume) `cfg` as this worker (one worker by default); `console=None` shows a
     progress bar with the step lines above it. Worker 0 claims the run directory (unless the
-    launcher did: `claimed`), writes every file and returns the summary; the others return None."""
+    launcher did: `claimed`), writes every file and returns the summary; the others return None.
+    `pace`: what each step waits for (`bench train`'s arms take turns, tailtamer/pace.py)."""
     # A device this machine lacks, or an engine not installed, is an error here, before any file is written.
     w = workers or Workers(device=train_device(cfg.run.device, 0))
     if cfg.rollout.backend == "vllm":
@@ -417,7 +405,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
         cfg, lock = claim_run_dir(cfg, resume)
     try:
         cfg = w.share(lambda: prepare(cfg, log))
-        return _train(cfg, resume, log, console, w)
+        return _train(cfg, resume, log, console, w, pace)
     finally:
         if lock is not None:
             lock.release(remove_if_unused=True)
@@ -432,10 +420,18 @@ def _check_steps_left(cfg: TrainConfig, resume: Path | None) -> None:
                               f"there is nothing to train; give run.steps={done + 1} or more to go on")
 
 
-def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> dict | None:
+def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers, pace: NoPace) -> dict | None:
     _check_steps_left(cfg, resume)
     changes = resume_changes(resume, to_dict(cfg)) if resume is not None and w.is_main else {}
     s = setup(cfg, resume, log, w)
+    try:
+        return _run_steps(s, cfg, resume, changes, log, console, w, pace)
+    finally:
+        s.rollout.close()  # after the last collective: vLLM takes the process group down with it
+
+
+def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict, log, console, w: Workers,
+               pace: NoPace) -> dict | None:
     if w.is_main:
         if resume is None:
             with writing("the run's config.yaml", s.run_dir, "; nothing was trained"):
@@ -450,11 +446,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
             f"{cfg.data.max_prompt_tokens}, or the model's context less one token)")
     t0 = time.perf_counter()
     out, reported, completed, hurry = None, set(), False, False
-    pace = Pace.from_env()  # `bench train`'s arms take turns step by step; otherwise a no-op
     with StopRequest(log) as stop:
         try:
-            if pace.dir is not None and s.step:  # inside: `finally` still closes the reward worker
-                raise ConfigError(f"{PACE_ENV}: a paced run starts at step 0 (this one resumes at step {s.step})")
             evaluates = cfg.run.eval_every and s.eval_rows
             if s.step == 0 and evaluates:
                 s.eval_at_start = evaluate_greedy(s)
@@ -485,8 +478,7 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                             reported.add(kind)
                             log(f"reward failure ({kind}) in step {s.step}: {entry['first']}; such samples score 0 "
                                 f"and are counted (reward_errors / reward_timeouts); the run goes on")
-                    if s.drafter is not None:  # the newest published drafter, ready to serve, written in the background
-                        s.drafter.checkpoint_async(s.run_dir / "drafter")
+                    s.drafter.checkpoint_async(s.run_dir / "drafter")  # the newest published one, in the background
                 if s.bad_steps >= cfg.run.max_bad_steps > 0:
                     raise TrainingError(f"{s.bad_steps} non-finite losses in a row at step {s.step}; "
                                         f"{_save_before_stopping(s)}")
@@ -496,10 +488,8 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
                     raise Interrupted(f"stopped by {stop.reason or 'a stop request (Ctrl-C or SIGTERM) to another worker'}"
                                       f" after step {s.step} of {cfg.run.steps}; "
                                       f"{_save_before_stopping(s)}")
-                if w.is_main and pace.dir is not None:  # the step's writes too are done in its turn
-                    if s.drafter is not None:
-                        s.drafter.wait()
-                    pace.done(s.step - 1)
+                if w.is_main:  # a paced run's writes too (the drafter's, in the background) are done in its turn
+                    pace.done(s.step - 1, settle=s.drafter.wait)
             pace.finish(cfg.run.steps)
             completed = True
         except WriteError as e:  # a full disk, say: the writes are atomic, so every earlier file is intact
@@ -510,13 +500,11 @@ def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers) -> d
         finally:
             if out is not None:
                 out.close()
-            if s.drafter is not None:
-                try:
-                    s.drafter.wait()
-                except WriteError as e:  # raised after the error being reported, if any: said, not raised
-                    log(str(e))
+            try:
+                s.drafter.wait()
+            except WriteError as e:  # raised after the error being reported, if any: said, not raised
+                log(str(e))
             s.scorer.close()
-            s.rollout.close()
             if w.is_main and not completed and s.history and not hurry:  # stopped or failed: its steps so far
                 try:
                     _summarize(s, w.world, time.perf_counter() - t0, finished=False)
@@ -540,7 +528,7 @@ def _summarize(s: RunState, world: int, seconds: float, finished: bool) -> dict:
     if s.history:
         plot_rl_curves(s.history, s.run_dir / "curves.png", s.eval_at_start)
         plot_worker_timeline(s.history[-1], s.run_dir / "timeline.png")
-        if s.drafter is not None and s.drafter.frozen is not None:
+        if s.drafter.frozen is not None:
             plot_accept_lengths(s.history, s.run_dir / "drafter.png")
     return summary
 
@@ -549,27 +537,28 @@ def _silent(*_args) -> None:
     pass
 
 
-def run_worker(cfg: TrainConfig, resume: Path | None, console, claimed: bool = False) -> dict | None:
+def run_worker(cfg: TrainConfig, resume: Path | None, console, claimed: bool = False,
+               pace: NoPace = NoPace()) -> dict | None:
     """One worker of a multi-process run (spawned locally or started by torchrun)."""
     device = train_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
     workers = Workers.from_env(cfg.run.dist_timeout_s, device)
-    summary = train(cfg, resume, console=console, workers=workers, claimed=claimed)
+    summary = train(cfg, resume, console=console, workers=workers, claimed=claimed, pace=pace)
     workers.close()  # not after an error: the launcher stops every worker then
     return summary
 
 
-def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict | None:
+def launch(cfg: TrainConfig, resume: Path | None = None, console=print, pace: NoPace = NoPace()) -> dict | None:
     """`tailtamer train`: this process as one worker of a torchrun job, or `run.workers` local
     worker processes (one per core by default), or, with one worker, this process alone."""
     if "WORLD_SIZE" in os.environ:
-        return run_worker(cfg, resume, console)
+        return run_worker(cfg, resume, console, pace=pace)
     device = resolve_device(cfg.run.device, "run.device")
     if cfg.rollout.backend == "vllm":
         require_vllm()
     gpus = gpu_count() if device.type == "cuda" else 0
     world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step, gpus)
     if world == 1:
-        return train(cfg, resume, console=console)
+        return train(cfg, resume, console=console, pace=pace)
     # The launcher claims the run directory (and holds its lock while the workers run) and
     # resolves the built-ins here, not in worker 0: a spawned worker gets only its share of
     # the cores, and a first run's base-model SFT and drafter warm-up would take ~1.6x as long.
@@ -585,7 +574,7 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print) -> dict 
                       f"{'GPU' if gpus else 'core'}, as a step has only {prompts} prompt{'s' * (prompts != 1)} to "
                       f"share (rollout.prompts_per_step={cfg.rollout.prompts_per_step}, data.train={cfg.data.train})")
         if world == 1:
-            return train(cfg, resume, console=console, claimed=True)
-        return spawn(world, run_worker, (cfg, resume, console, True), partial(resume_note, run_dir_of(cfg, resume)))
+            return train(cfg, resume, console=console, claimed=True, pace=pace)
+        return spawn(world, run_worker, (cfg, resume, console, True, pace), partial(resume_note, run_dir_of(cfg, resume)))
     finally:
         lock.release(remove_if_unused=True)

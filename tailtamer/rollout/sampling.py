@@ -1,4 +1,11 @@
-"""Sampling: temperature, top-k and top-p (nucleus) with one generator per request.
+"""Sampling: temperature, top-k and top-p (nucleus), drawn with counter-based random numbers.
+
+Each request (one sample of one prompt) has a 62-bit key, `request_key(seed, prompt_index,
+sample_index)`, and the token at response index t is drawn by inverse CDF (`sample`) with
+`uniforms(key, t)`, a uniform hashed from the key and t. There is no generator state: a
+request's draws do not depend on the batch it runs in, a whole batch (or draft tree) is sampled
+in one vectorised call, and plain and speculative decoding draw the token at index t with the
+same uniform whichever step emits it.
 
 The same `target_probs` is what speculative verification must reproduce, so it is a small
 pure function: filter the logits, renormalise, and nothing else.
