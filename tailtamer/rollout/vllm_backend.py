@@ -129,7 +129,7 @@ def initial_table(depths: list[int], max_batch_size: int) -> list[list[int]]:
     """The per-batch-size draft lengths vLLM starts with: every arm's K at some batch size
     (where vLLM captures CUDA graphs for the lengths its table holds), then K = 0 for the rest;
     generate() rewrites the table at every step."""
-    table = [[i + 1, i + 1, k] for i, k in enumerate(depths[: max_batch_size - 1])]
+    table = [[i + 1, i + 1, k] for i, k in enumerate(depths[:max_batch_size])]
     return table + [[len(table) + 1, max_batch_size, 0]] if len(table) < max_batch_size else table
 
 
