@@ -58,6 +58,15 @@ class EngineConfig:
         at_least(self, "engine", 2, *(name for name in ("max_seq_len", "max_tokens") if getattr(self, name) is not None))
 
 
+def check_prompt(ids: list[int], where: str, max_seq_len: int) -> None:
+    """A prompt an engine can run: not empty, and one new token fits after it."""
+    if not ids:
+        raise DataError(f"{where}: prompt is empty after tokenization")
+    if len(ids) >= max_seq_len:
+        raise DataError(f"{where}: prompt has {len(ids)} tokens; the context holds {max_seq_len} "
+                        f"(prompt + at least one new token)")
+
+
 @dataclass
 class Request:
     prompt_index: int
@@ -125,12 +134,7 @@ class Engine:
             raise ConfigError("stop strings need a tokenizer; pass one to Engine")
         requests = []
         for i, ids in enumerate(prompts):
-            where = labels[i] if labels else f"prompt {i}"
-            if not ids:
-                raise DataError(f"{where}: prompt is empty after tokenization")
-            if len(ids) >= self.max_seq_len:
-                raise DataError(f"{where}: prompt has {len(ids)} tokens; the context holds {self.max_seq_len} "
-                                f"(prompt + at least one new token)")
+            check_prompt(ids, labels[i] if labels else f"prompt {i}", self.max_seq_len)
             new = min(params.max_new_tokens, self.max_seq_len - len(ids))
             requests += [Request(i, j, list(ids), request_key(params.seed, first_index + i, j), new,
                                  row=len(requests) + j) for j in range(params.n)]

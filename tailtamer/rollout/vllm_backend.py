@@ -40,7 +40,7 @@ from tailtamer.model.drafter import drafter_tensors
 from tailtamer.model.io import to_hf_key
 from tailtamer.model.transformer import split_fused
 from tailtamer.rollout.backend import RolloutBackendError
-from tailtamer.rollout.engine import Completion
+from tailtamer.rollout.engine import Completion, check_prompt
 from tailtamer.rollout.sampling import SamplingParams, request_key
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.stats import RolloutStats
@@ -253,13 +253,8 @@ class VLLMBackend:
             raise DataError("no prompts to generate from")
         vllm, engine = self._vllm, self._engine
         requests, run = {}, uuid.uuid4().hex[:8]
-        for i, ids in enumerate(prompts):
-            where = labels[i] if labels else f"prompt {i}"
-            if not ids:
-                raise DataError(f"{where}: prompt is empty after tokenization")
-            if len(ids) >= self.max_seq_len:
-                raise DataError(f"{where}: prompt has {len(ids)} tokens; the context holds {self.max_seq_len} "
-                                f"(prompt + at least one new token)")
+        for i, ids in enumerate(prompts):  # every prompt before any work starts
+            check_prompt(ids, labels[i] if labels else f"prompt {i}", self.max_seq_len)
         try:
             for i, ids in enumerate(prompts):
                 for j in range(params.n):
