@@ -13,6 +13,13 @@ the exact rule (rollout/speculative.py) accepts a path, for the whole batch at o
 Sampling draws the token at response index t with the request's uniform number t
 (rollout/sampling.py), so a step costs one vectorised draw for the batch, and SD emits what
 plain decoding would.
+
+A step is schedule -> run -> commit: `_schedule` admits requests and picks a prefill, a plain
+step or an SD step (the tuner's arm); `RUNS[kind]` runs its forward (`_prefill`,
+`_decode_one`, or `_speculate`: propose -> verify -> accept) and returns the tokens to commit
+and the pairs the proposer observes; `_commit` is the one place that appends tokens,
+checks stops, hands the proposer its observations, records the tuner and the stats, and
+compacts the batch. The step is timed at its two ends, around run and commit.
 """
 
 from __future__ import annotations
@@ -84,6 +91,33 @@ class Request:
     @property
     def budget(self) -> int:
         return len(self.prompt_ids) + self.max_new_tokens
+
+
+@dataclass
+class Step:
+    """One engine step as scheduled: `kind` prefill (the newly admitted `requests`), plain or
+    sd (every running request; `strategy` the tuner's arm). `tuned`: the tuner chose for this
+    step (the long tail) and is told how it went; `catch_up`: the first SD step after plain
+    ones or a prefill, whose drafter first catches up."""
+    kind: str
+    requests: list[Request]
+    strategy: Strategy | None = None
+    tuned: bool = False
+    catch_up: bool = False
+
+
+@dataclass
+class Outcome:
+    """What a step's forward produced, for `_commit`: per request the tokens to append in
+    order (checked finite) and the KV rows the forward made valid (`rows`; a request that
+    stops after k of its tokens keeps min(k + 1, rows): what the forward consumed of its
+    output); the arguments of each `Proposer.observe` call; for an SD step the tokens drafted
+    and, for a tree, each request's accepted nodes."""
+    tokens: list[list[int]]
+    rows: list[int]
+    observed: list[tuple] = field(default_factory=list)
+    drafted: list[int] | None = None
+    paths: list[list[int] | None] | None = None
 
 
 @dataclass
@@ -170,55 +204,97 @@ class Engine:
         cache = self._cache_for(slots, longest)
         queue, running, done = deque(requests), [], []
         stats, start = RolloutStats(), time.perf_counter()
-        setup_start = spec.proposer.setup_s if spec is not None else 0.0
+        setup_start = self._setup_s()
         speculating = False  # was the last step an SD step (then the drafter is caught up)
         while queue or running:
             PHASES.mark("engine loop")
-            admitted = self._admit(queue, running, slots)
-            if admitted:
+            step = self._schedule(queue, running, slots, speculating)
+            if step.catch_up:
+                # The switch: the drafter catches up on what plain steps and prefills left,
+                # charged to no arm (the first arm pulled would otherwise pay it).
                 t0 = time.perf_counter()
-                self._prefill(admitted, cache, params)
-                stats.prefill_s += time.perf_counter() - t0
-                PHASES.mark("prefill")
-                running += admitted
-                speculating = False
-            else:
-                tail = spec is not None and (spec.bs_threshold is None or len(running) <= spec.bs_threshold)
-                strategy = spec.tuner.select(len(running)) if tail else None
-                if strategy is not None and not speculating:
-                    # The switch: the drafter catches up on what plain steps and prefills
-                    # left, charged to no arm (the first arm pulled would otherwise pay it).
-                    t0 = time.perf_counter()
-                    if spec.proposer.catch_up(running):
-                        stats.catch_up_s += time.perf_counter() - t0
-                    PHASES.mark("sd: catch-up at the switch (no arm)")
-                speculating = strategy is not None
-                setup, t0 = stats.setup_s, time.perf_counter()
-                PHASES.mark("engine loop")
-                if strategy is not None:
-                    emitted = self._speculate(running, cache, params, stats, strategy)
-                    stats.setup_s = spec.proposer.setup_s - setup_start
-                else:
-                    emitted = self._decode_one(running, cache, params)
-                t1 = time.perf_counter()
-                t0 += stats.setup_s - setup  # a compile in this step is charged to no arm
-                PHASES.mark("sd: host bookkeeping" if strategy else "plain: host bookkeeping")
-                if tail:
-                    spec.tuner.record(strategy, len(running), t1 - t0, emitted)
-                stats.record_step(t1 - start - stats.setup_s, t1 - t0, len(running), strategy.name if strategy else "plain",
-                                  emitted)
-            finished = [r for r in running if r.finish_reason]
-            if finished:
-                done += finished
-                if keep_hidden is not None and self.proposer is not None and self.proposer.needs_hidden:
-                    for r in finished:
-                        keep_hidden(r.prompt_ids + r.output_ids, len(r.prompt_ids),
-                                    self.proposer.hidden_of(r.slot, r.cached))
-                running = self._compact(running, cache)
+                if spec.proposer.catch_up(running):
+                    stats.catch_up_s += time.perf_counter() - t0
+                PHASES.mark("sd: catch-up at the switch (no arm)")
+            speculating = step.kind == "sd"
+            setup, t0 = self._setup_s(), time.perf_counter()
+            PHASES.mark("engine loop")
+            outcome = RUNS[step.kind](self, step, cache, params)
+            stats.setup_s = self._setup_s() - setup_start
+            t0 += self._setup_s() - setup  # a compile in this step is charged to no arm
+            running = self._commit(step, outcome, running, params, cache, stats, (start, t0), done, keep_hidden)
         stats.seconds = time.perf_counter() - start - stats.setup_s
         stats.tokens = sum(len(r.output_ids) for r in done)
         done.sort(key=lambda r: (r.prompt_index, r.sample_index))
         return [self._complete(r) for r in done], stats
+
+    def _setup_s(self) -> float:
+        return self.proposer.setup_s if self.proposer is not None else 0.0
+
+    def _schedule(self, queue: deque, running: list[Request], slots: int, speculating: bool) -> Step:
+        """Admit queued requests into free slots (then the step is their prefill), else ask the
+        tuner, in the long tail, for an SD strategy or plain decoding."""
+        admitted = self._admit(queue, running, slots)
+        if admitted:
+            return Step("prefill", admitted)
+        spec = self.speculator
+        tuned = spec is not None and (spec.bs_threshold is None or len(running) <= spec.bs_threshold)
+        strategy = spec.tuner.select(len(running)) if tuned else None
+        if strategy is None:
+            return Step("plain", running, tuned=tuned)
+        return Step("sd", running, strategy, tuned, catch_up=not speculating)
+
+    def _commit(self, step: Step, out: Outcome, running: list[Request], params: SamplingParams, cache: KVCache,
+                stats: RolloutStats, clock: tuple[float, float], done: list[Request], keep_hidden) -> list[Request]:
+        """The one place a step's tokens become the requests': the proposer observes the
+        step's pairs, tokens are appended up to a stop, KV rows are counted (a tree's accepted
+        path moved to consecutive rows), the tuner and the stats record the step (`clock`: when
+        the rollout and this step started), finished requests hand over their hidden states and
+        free their slots. Returns the running requests."""
+        for args in out.observed:
+            self.proposer.observe(*args)
+        if out.observed:
+            PHASES.mark(OBSERVE[step.kind])
+        moves, emitted = [], 0
+        for i, (r, tokens, rows) in enumerate(zip(step.requests, out.tokens, out.rows)):
+            before = len(r.output_ids)
+            for token in tokens:
+                self._append(r, token, params)
+                if r.finish_reason:
+                    break
+            appended = len(r.output_ids) - before
+            emitted += appended
+            if out.drafted is not None:
+                stats.record_sd(appended, out.drafted[i])
+            if r.finish_reason:  # what the forward consumed of its output still counts (`keep_hidden`)
+                r.cached += min(appended + 1, rows)
+                continue
+            nodes = out.paths[i] if out.paths is not None else None
+            if nodes is not None and nodes[:rows] != list(range(rows)):  # a tree's path: its rows to consecutive ones
+                moves.append((r.slot, [r.cached + j for j in nodes[:rows]], [r.cached + j for j in range(rows)]))
+            r.cached += rows
+        PHASES.mark(BOOKKEEPING[step.kind])
+        if moves:
+            cache.move_rows(moves)
+            PHASES.mark("sd: commit (KV moves)")
+        end = time.perf_counter()
+        seconds = end - clock[1]
+        if step.kind == "prefill":
+            stats.prefill_s += seconds
+            running = running + step.requests
+        else:
+            if step.tuned:
+                self.speculator.tuner.record(step.strategy, len(running), seconds, emitted)
+            stats.record_step(end - clock[0] - stats.setup_s, seconds, len(running),
+                              step.strategy.name if step.strategy else "plain", emitted)
+        finished = [r for r in running if r.finish_reason]
+        if not finished:
+            return running
+        done += finished
+        if keep_hidden is not None and self.proposer is not None and self.proposer.needs_hidden:
+            for r in finished:
+                keep_hidden(r.prompt_ids + r.output_ids, len(r.prompt_ids), self.proposer.hidden_of(r.slot, r.cached))
+        return self._compact(running, cache)
 
     def _draw(self, requests: list[Request], logits: torch.Tensor, params: SamplingParams,
               indices: torch.Tensor) -> torch.Tensor:
@@ -240,10 +316,11 @@ class Engine:
                                   "values such as rms_norm_eps or rope_theta, make it diverge")
         return tokens
 
-    def _decode_one(self, running: list[Request], cache: KVCache, params: SamplingParams) -> int:
-        """A plain decode step; with a proposer that wants them, the target's features of the
-        step go to it (one tensor write), so switching to SD later needs no extra forward.
-        Returns the number of tokens emitted (one per request)."""
+    def _decode_one(self, step: Step, cache: KVCache, params: SamplingParams) -> Outcome:
+        """A plain decode step: one token per running request; with a proposer that wants
+        them, the target's features of the step are its observations (one tensor write), so
+        switching to SD later needs no extra forward."""
+        running = step.requests
         device, B = self.model.device, len(running)
         ids = torch.tensor([[r.output_ids[-1]] for r in running], device=device)
         cached = [r.cached for r in running]
@@ -254,13 +331,11 @@ class Engine:
         index = torch.tensor([[len(r.output_ids)] for r in running], device=device)
         tokens = self._draw(running, logits, params, index)
         PHASES.mark("plain: sample")
-        if self.proposer is not None and self.proposer.needs_hidden:
-            self.proposer.observe(slice(0, B), starts[:, None], hidden, tokens)
-            PHASES.mark("plain: drafter observe")
-        for r, token in zip(running, self._checked(tokens[:, 0].tolist())):
-            r.cached += 1
-            self._append(r, token, params)
-        return B
+        observed = [(slice(0, B), starts[:, None], hidden, tokens)] if self._observes() else []
+        return Outcome([[t] for t in self._checked(tokens[:, 0].tolist())], [1] * B, observed)
+
+    def _observes(self) -> bool:
+        return self.proposer is not None and self.proposer.needs_hidden
 
     def _admit(self, queue: deque, running: list[Request], slots: int) -> list[Request]:
         if not queue or len(running) >= slots:
@@ -292,11 +367,12 @@ class Engine:
             r.slot = hole
         return sorted(alive, key=lambda r: r.slot)
 
-    def _prefill(self, admitted: list[Request], cache: KVCache, params: SamplingParams) -> None:
+    def _prefill(self, step: Step, cache: KVCache, params: SamplingParams) -> Outcome:
         """The distinct prompts' forwards, in groups by length, each right-padded to its
         longest prompt (`token_budget_chunks`: the cuts of the sorted lengths that minimise the
-        padded tokens plus a forward's fixed cost each); siblings copy the KV rows."""
-        device = self.model.device
+        padded tokens plus a forward's fixed cost each); siblings copy the KV rows. Each
+        request's first token, and per group the prompt's pairs for the proposer."""
+        admitted, device = step.requests, self.model.device
         leaders: dict[int, Request] = {}
         for r in admitted:
             leaders.setdefault(r.prompt_index, r)
@@ -306,7 +382,7 @@ class Engine:
             self.proposer.admit(admitted)
         lengths = [len(r.prompt_ids) for r in firsts]
         overhead = PREFILL_GROUP_TOKENS.get(device.type)
-        keep = self.proposer is not None and self.proposer.needs_hidden
+        keep = self._observes()
         row, groups, logits = {}, [], []
         # no token budget beyond the rows' (the old single batch had none): max_tokens never binds
         for group in [list(range(len(firsts)))] if overhead is None else \
@@ -328,6 +404,7 @@ class Engine:
         rows = torch.tensor([row[r.prompt_index] for r in admitted], device=device)
         first = self._draw(admitted, torch.cat(logits)[rows], params, torch.zeros(len(admitted), 1, dtype=torch.long,
                                                                                  device=device))[:, 0]
+        observed = []
         if keep:  # pairs (h_j, x_(j+1)) over each prompt; the pair at the prompt's end gets the first token
             for ids, hidden, at in groups:
                 mine = [i for i, r in enumerate(admitted) if r.prompt_index in at]
@@ -336,16 +413,14 @@ class Engine:
                 after[torch.arange(len(mine), device=device),
                       torch.tensor([len(admitted[i].prompt_ids) - 1 for i in mine], device=device)] = first[mine]
                 slots = torch.tensor([admitted[i].slot for i in mine], device=device)
-                self.proposer.observe(slots, torch.arange(ids.shape[1], device=device).expand(len(mine), -1),
-                                      hidden[of], after)
-        for r, token in zip(admitted, self._checked(first.tolist())):
-            self._append(r, token, params)
+                observed.append((slots, torch.arange(ids.shape[1], device=device).expand(len(mine), -1), hidden[of],
+                                 after))
+        return Outcome([[t] for t in self._checked(first.tolist())], [0] * len(admitted), observed)
 
-    def _speculate(self, running: list[Request], cache: KVCache, params: SamplingParams,
-                   stats: RolloutStats, strategy: Strategy) -> int:
-        """One SD step (see rollout/speculative.py): draft a tree per request, verify every tree
-        in one target forward, accept with the exact rule for the whole batch, commit. Returns
-        the number of tokens emitted."""
+    def _speculate(self, step: Step, cache: KVCache, params: SamplingParams) -> Outcome:
+        """One SD step (see rollout/speculative.py): propose a tree per request, verify every
+        tree in one target forward, accept a path with the exact rule for the whole batch."""
+        running, strategy = step.requests, step.strategy
         device, B = self.model.device, len(running)
         cached = [r.cached for r in running]
         starts = torch.tensor(cached, device=device)
@@ -364,36 +439,18 @@ class Engine:
         path, tokens, length = accept(tree, draws)
         PHASES.mark("sd: accept")
         lengths = length.tolist()
+        observed = []
         if self.proposer.needs_hidden:
             # the pairs of the path's accepted nodes; the rest (rejected drafts') at position -1
             positions = torch.tensor([[c + i if i < n else -1 for i in range(path.shape[1])]
                                       for c, n in zip(cached, lengths)], device=device)
             kept = hidden if tree.chain else hidden[torch.arange(B, device=device)[:, None], path]  # a chain's path: 0..depth
-            self.proposer.observe(slice(0, B), positions, kept, tokens)
-            PHASES.mark("sd: drafter observe")
-        moves, emitted = [], 0
+            observed.append((slice(0, B), positions, kept, tokens))
         # a chain drafts its depth and its path is 0..depth: no device reads for either
         drafted = [tree.depth] * B if tree.chain else (tree.valid.sum(1) - 1).tolist()
-        paths = [None] * B if tree.chain else path.tolist()
-        for r, n, toks, nodes, d in zip(running, lengths, tokens.tolist(), paths, drafted):
-            before = len(r.output_ids)
-            for token in self._checked(toks[:n]):
-                self._append(r, token, params)
-                if r.finish_reason:
-                    break
-            stats.record_sd(len(r.output_ids) - before, d)
-            emitted += len(r.output_ids) - before
-            if r.finish_reason:  # what the verify consumed of its output still counts (`keep_hidden`)
-                r.cached += min(len(r.output_ids) - before + 1, n)
-                continue
-            if nodes is not None and nodes[:n] != list(range(n)):  # a tree's path: its rows to consecutive ones
-                moves.append((r.slot, [r.cached + i for i in nodes[:n]], [r.cached + j for j in range(n)]))
-            r.cached += n
-        PHASES.mark("sd: host bookkeeping")
-        if moves:
-            cache.move_rows(moves)
-            PHASES.mark("sd: commit (KV moves)")
-        return emitted
+        paths = None if tree.chain else path.tolist()
+        accepted = [self._checked(toks[:n]) for toks, n in zip(tokens.tolist(), lengths)]
+        return Outcome(accepted, lengths, observed, drafted, paths)
 
     def _append(self, r: Request, token: int, params: SamplingParams) -> None:
         r.output_ids.append(token)
@@ -421,3 +478,10 @@ class Engine:
             if r.stop_at is not None:
                 text = text[: r.stop_at]
         return Completion(r.prompt_index, r.sample_index, r.output_ids, text, r.finish_reason or "length")
+
+
+# What `Engine._run` does for each kind of scheduled step.
+RUNS = {"prefill": Engine._prefill, "plain": Engine._decode_one, "sd": Engine._speculate}
+# The profiler's phase names (`tailtamer bench profile`) for a step's commit.
+OBSERVE = {"prefill": "prefill", "plain": "plain: drafter observe", "sd": "sd: drafter observe"}
+BOOKKEEPING = {"prefill": "prefill", "plain": "plain: host bookkeeping", "sd": "sd: host bookkeeping"}
