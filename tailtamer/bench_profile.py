@@ -122,6 +122,7 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
 
     from tailtamer.config import TrainConfig
     from tailtamer.dist import Workers
+    from tailtamer.drafter.adaptive import NoDrafter
     from tailtamer.rl import grpo
     from tailtamer.rl.batching import Samples, needed_width, response_batch, update_plan
     from tailtamer.rl.optim import make_optimizer
@@ -150,9 +151,10 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
     workers = Workers()
     sharding = Replicated(workers)
     optimizer, scheduler = make_optimizer(sharding.wrap(model), rl, cfg.run.steps)
+    # our engine (its rollout kept the hidden states), no drafter trained
     state = SimpleNamespace(cfg=cfg, workers=workers, model=model, optimizer=optimizer, scheduler=scheduler,
-                            sharding=sharding, ref_model=None, drafter=None, bad_steps=0, step=0,
-                            dtype=torch.float32)
+                            sharding=sharding, ref_model=None, drafter=NoDrafter(), bad_steps=0, step=0,
+                            dtype=torch.float32, rollout=SimpleNamespace(hidden_states=True))
 
     def fwd_bwd(batches):
         for batch_ids in batches:
