@@ -157,9 +157,16 @@ def arm_main(argv: list[str]) -> int:
     from tailtamer.config import load_train_config
     from tailtamer.pace import Pace
     from tailtamer.rl.trainer import launch
+    from tailtamer.stopping import Interrupted
 
     try:
         summary = launch(load_train_config(None, argv[1:]), console=print, pace=Pace(argv[0]))
+    except Interrupted as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("stopped: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except TailtamerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

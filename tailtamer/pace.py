@@ -34,6 +34,8 @@ def turn_of(step: int, arm: int, arms: int) -> int:
 class NoPace:
     """What an ordinary run's steps wait for: nothing."""
 
+    paced = False
+
     def ready(self) -> None:
         pass
 
@@ -48,6 +50,8 @@ class NoPace:
 
 
 class Pace(NoPace):
+    paced = True
+
     def __init__(self, spec: str):
         where, arm, arms = spec.rsplit(":", 2)
         self.dir, self.arm, self.arms = Path(where), int(arm), int(arms)

@@ -238,7 +238,7 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
     extra_calls = s.sharding.extra_calls(plan)
     # Where the rollout backend keeps no hidden states (vLLM), the drafter learns from this
     # forward's: the target over every computed sequence, no extra forward (TLT §2.2).
-    feeds_drafter = not s.rollout.hidden_states
+    feeds_drafter = s.drafter.trains and not s.rollout.hidden_states
     for epoch in range(rl.ppo_epochs):
         for minibatch, extra in zip(plan, extra_calls):
             s.optimizer.zero_grad(set_to_none=True)
@@ -448,6 +448,8 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
     out, reported, completed, hurry = None, set(), False, False
     with StopRequest(log) as stop:
         try:
+            if pace.paced and s.step:  # its turns count from step 0
+                raise ConfigError(f"a paced run starts at step 0 (this one resumes at step {s.step})")
             evaluates = cfg.run.eval_every and s.eval_rows
             if s.step == 0 and evaluates:
                 s.eval_at_start = evaluate_greedy(s)

@@ -480,7 +480,7 @@ class Engine:
         return Completion(r.prompt_index, r.sample_index, r.output_ids, text, r.finish_reason or "length")
 
 
-# What `Engine._run` does for each kind of scheduled step.
+# The forward each kind of scheduled step runs (`Engine.generate`: schedule -> RUNS[kind] -> commit).
 RUNS = {"prefill": Engine._prefill, "plain": Engine._decode_one, "sd": Engine._speculate}
 # The profiler's phase names (`tailtamer bench profile`) for a step's commit.
 OBSERVE = {"prefill": "prefill", "plain": "plain: drafter observe", "sd": "sd: drafter observe"}
