@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from functools import partial
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,8 +47,8 @@ from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_res
 from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, setup, training_prompts
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics, worker_share
 from tailtamer.rollout.backend import RolloutBackendError
-from tailtamer.rollout.vllm_backend import require_vllm
 from tailtamer.rollout.sampling import SamplingParams
+from tailtamer.rollout.vllm_backend import require_vllm
 from tailtamer.stopping import Interrupted, StopRequest
 
 
