@@ -157,7 +157,8 @@ def cmd_generate(args) -> None:
     if args.backend == "vllm":
         drafter = load_drafter(spec.drafter, model) if spec.mode != "off" and spec.drafter != "ngram" else None
         engine = VLLMBackend(args.model, model, tokenizer, spec, bias_free(drafter),
-                             VLLMConfig(dtype=args.dtype, compile=args.compile), args.max_batch_size)
+                             VLLMConfig(dtype=args.dtype, compile=args.compile), args.max_batch_size,
+                             log_file=Path(args.out).with_suffix(".vllm.log"))
     else:
         engine = EmbeddedBackend(Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
                                         speculator=make_speculator(spec, model)))

@@ -90,12 +90,13 @@ def test_greedy_output_is_our_engines_with_sd_off_and_on(world, plain, sd):
     assert sum(stats.accept_lens.values()) == stats.drafted_tokens // 4  # one histogram entry per draft of 4
 
 
-def _expected_second_tokens(model, params, counts):
-    """Expected counts of the second token after [3, 7, 2]: Σ_x1 p(x1) p(x2 | x1) over first
+def _expected_second_tokens(model, params, counts, prompt=(3, 7, 2)):
+    """Expected counts of the second token after `prompt`: Σ_x1 p(x1) p(x2 | x1) over first
     tokens other than EOS (id 1), which ends a response before a second token."""
+    prompt = list(prompt)
     with torch.no_grad():
-        p1 = target_probs(model(torch.tensor([[3, 7, 2]]))[0][0, -1].double(), params)
-        p2 = target_probs(model(torch.tensor([[3, 7, 2, x] for x in range(VOCAB)]))[0][:, -1].double(), params)
+        p1 = target_probs(model(torch.tensor([prompt]))[0][0, -1].double(), params)
+        p2 = target_probs(model(torch.tensor([prompt + [x] for x in range(VOCAB)]))[0][:, -1].double(), params)
     p1[1] = 0
     return (p1 @ p2) / p1.sum() * counts.sum()
 
@@ -250,6 +251,139 @@ def test_a_model_vllm_cannot_run_is_one_line_at_start_up():
         vllm_backend.check_model(cfg, "cpu", "run.model x")
 
 
+def _random_prompts(count, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def _token_budget(backend) -> int:
+    return backend.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+
+
+def test_a_step_beyond_one_engine_steps_token_budget_samples_repeatably(world, plain):
+    """More prompt tokens than one engine step takes (vLLM-CPU chunks such a prefill by
+    default, drops the chunk's sample and rewinds the request's CPU generator, which cannot
+    be: the rollout died). Seeded sampling finishes, repeats, and each request samples what it
+    samples alone; greedy output is still our engine's."""
+    prompts = _random_prompts(150, 40, seed=8)
+    assert sum(map(len, prompts)) > _token_budget(plain)  # the step needs several engine steps to prefill
+    params = SamplingParams(max_new_tokens=8, seed=31)
+    first, _ = plain.generate(prompts, params)
+    again, _ = plain.generate(prompts, params)
+    alone, _ = plain.generate(prompts[:3], params)
+    assert _ids(first) == _ids(again)
+    assert _ids(first[:3]) == _ids(alone)  # a request's tokens do not depend on the batch it ran in
+    assert len({tuple(ids) for ids in _ids(first)}) > 100  # sampled, not one answer repeated
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    assert _ids(plain.generate(prompts, greedy)[0]) == _ids(Engine(world[0]).generate(prompts, greedy)[0])
+
+
+def test_sd_samples_follow_the_target_over_several_engine_steps_of_prefill(world, sd):
+    """The chi-square test with a prompt long enough that one engine step cannot take every
+    running request's prefill."""
+    prompt = _random_prompts(1, 24, seed=9)[0]
+    params = SamplingParams(seed=24, n=3000, max_new_tokens=3)
+    assert min(params.n, 256) * len(prompt) > _token_budget(sd)
+    out, stats = sd.generate([prompt], params)
+    assert stats.accepted_tokens > 0
+    counts = _second_tokens(_ids(out))
+    assert _fits(counts, _expected_second_tokens(world[0], params, counts, prompt))
+
+
+@pytest.fixture(scope="module")
+def squeezed(world, tmp_path_factory):
+    """SD on, with a KV cache of a few blocks of 128 tokens (5 here: the drafter's layer has
+    its share) for up to 16 requests: running requests are preempted when they cross into a
+    second block, and siblings of a prompt longer than a block share it through the prefix
+    cache. vLLM's log goes to a file."""
+    model, drafter, root = world
+    log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
+    spec = SpecConfig(mode="on", drafter=str(root / "drafter"), strategy="4_1_5")
+    backend = VLLMBackend(root / "model", model, None, spec, drafter, VLLMConfig(kv_cache_gb=0.0005), 16,
+                          log_file=log, log_prefix="worker 0 ")
+    yield backend
+    backend.close()
+
+
+def _preemptions_and_cached_tokens(backend, monkeypatch):
+    """Counters of the scheduler's preemptions and of prompt tokens found in the prefix cache."""
+    seen = {"preempted": 0, "cached": 0}
+    scheduler = backend._engine.engine_core.engine_core.scheduler
+    preempt, lookup = scheduler._preempt_request, scheduler.kv_cache_manager.get_computed_blocks
+
+    def counting_preempt(*args, **kwargs):
+        seen["preempted"] += 1
+        return preempt(*args, **kwargs)
+
+    def counting_lookup(*args, **kwargs):
+        found = lookup(*args, **kwargs)
+        seen["cached"] += found[1]
+        return found
+
+    monkeypatch.setattr(scheduler, "_preempt_request", counting_preempt)
+    monkeypatch.setattr(scheduler.kv_cache_manager, "get_computed_blocks", counting_lookup)
+    return seen
+
+
+def test_preempted_requests_keep_their_output(world, plain, squeezed, monkeypatch):
+    """Under load on a CPU: requests preempted when the KV cache fills and resumed by
+    recomputing their prefill. Greedy output with SD is our engine's; seeded samples with SD
+    repeat; without drafts they are what the same requests sample in an engine with room."""
+    model = world[0]
+    prompts = _random_prompts(8, 120, seed=10)
+    seen = _preemptions_and_cached_tokens(squeezed, monkeypatch)
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, n=2)
+    out, stats = squeezed.generate(prompts, greedy)
+    assert _ids(out) == _ids(Engine(model).generate(prompts, greedy)[0])
+    assert stats.drafted_tokens > 0
+    sampled = SamplingParams(max_new_tokens=16, n=2, seed=15)
+    assert _ids(squeezed.generate(prompts, sampled)[0]) == _ids(squeezed.generate(prompts, sampled)[0])
+    tuner, squeezed.tuner = squeezed.tuner, None  # plain steps: one draw per token, as in `plain`
+    try:
+        params = SamplingParams(max_new_tokens=16, n=4, seed=12)
+        out, _ = squeezed.generate(prompts, params)
+    finally:
+        squeezed.tuner = tuner
+    assert _ids(out) == _ids(plain.generate(prompts, params)[0])
+    assert seen["preempted"] > 0
+
+
+def test_prefix_cache_hits_keep_the_output(world, plain, monkeypatch):
+    """Requests whose prompt's first block is in the prefix cache (a later rollout of the same
+    prompts; siblings admitted in later engine steps) sample what they sampled without it."""
+    prompts = _random_prompts(3, 130, seed=11)  # one full block of 128 tokens each
+    params = SamplingParams(max_new_tokens=8, n=4, seed=14)
+    first, _ = plain.generate(prompts, params)
+    seen = _preemptions_and_cached_tokens(plain, monkeypatch)
+    again, _ = plain.generate(prompts, params)
+    assert seen["cached"] >= 128 * 3 * 4
+    assert _ids(again) == _ids(first)
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    assert _ids(plain.generate(prompts, greedy)[0]) == _ids(Engine(world[0]).generate(prompts, greedy)[0])
+
+
+def test_a_failing_engine_step_is_one_line_naming_vllms_log(squeezed, monkeypatch, capfd):
+    """vLLM dumps its whole scheduler state when a step fails: that goes to the log file the
+    one-line error names, not to the terminal."""
+    from concurrent.futures import Future
+
+    executor = squeezed._engine.engine_core.engine_core.model_executor
+
+    def failing(*args, **kwargs):  # as a worker's failure reaches the engine: through its result
+        result = Future()
+        result.set_exception(RuntimeError("injected failure\nsecond line"))
+        return result
+
+    monkeypatch.setattr(executor, "execute_model", failing)
+    with pytest.raises(RolloutBackendError) as raised:
+        squeezed.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=1))
+    log = squeezed._log.path
+    assert str(raised.value) == f"vLLM failed during the rollout: RuntimeError: injected failure (vLLM's log: {log})"
+    assert "worker 0 ERROR vllm.logging_utils.dump_input: Dumping scheduler output" in log.read_text()
+    terminal = capfd.readouterr()
+    assert "Dumping" not in terminal.err + terminal.out
+
+
 def test_the_ngram_drafter_runs_on_vllm_losslessly(world):
     """Last of the engines started in this process: vLLM's n-gram proposer loads numba, after
     which vLLM-CPU's own kernel registration fails at the start of any later engine."""
@@ -297,3 +431,5 @@ def test_train_on_vllm_trains_and_publishes_the_drafter(tmp_path):
     assert all(0 < r["sd_tokens_frac"] < 1 for r in rows)  # SD after the first token (the prefill's)
     assert sum(r["drafter_steps"] for r in rows[1:]) > 0  # from step 2 on: the buffer holds step 1's update
     assert len({r["drafter_sha"] for r in rows}) > 1
+    log = (tmp_path / "runs" / "default" / "vllm.log").read_text()  # vLLM's own lines, not the terminal's
+    assert "worker 0 " in log and "worker 1 " in log and "worker 0 " not in done.stderr

