@@ -268,7 +268,9 @@ def test_the_inference_step_follows_the_drafters_weights():
             _, h = target(seq)
             full, _ = drafter(seq[:, 1:], h[:, :-1])
             step, _ = drafter.decode(seq[:, 1:], h[:, :-1], drafter.new_cache(1, 32), slice(0, 1), torch.tensor([0]))
-        return (step - full).abs().max() / full.abs().max() < (1e-12 if full.dtype == torch.float64 else 1e-5)
+        # float32: two orders of summation differ by up to ~2e-5 of the largest feature on some
+        # CPUs (AMD EPYC, weights scaled 1.5 after a step at lr 0.1); a stale weight differs by O(1)
+        return (step - full).abs().max() / full.abs().max() < (1e-12 if full.dtype == torch.float64 else 1e-4)
 
     assert agrees()
     drafter.load_state_dict(other.state_dict())

@@ -267,6 +267,8 @@ def test_a_step_beyond_one_engine_steps_token_budget_samples_repeatably(world, p
     samples alone; greedy output is still our engine's."""
     prompts = _random_prompts(150, 40, seed=8)
     assert sum(map(len, prompts)) > _token_budget(plain)  # the step needs several engine steps to prefill
+    scheduling = plain.llm.llm_engine.vllm_config.scheduler_config
+    assert not scheduling.enable_chunked_prefill and scheduling.long_prefill_token_threshold == 0  # nothing cut
     params = SamplingParams(max_new_tokens=8, seed=31)
     first, _ = plain.generate(prompts, params)
     again, _ = plain.generate(prompts, params)
@@ -306,8 +308,9 @@ def squeezed(world, tmp_path_factory):
 
 
 def _preemptions_and_cached_tokens(backend, monkeypatch):
-    """Counters of the scheduler's preemptions and of prompt tokens found in the prefix cache."""
-    seen = {"preempted": 0, "cached": 0}
+    """Counters of the scheduler's preemptions and of prompt tokens found in the prefix cache
+    (the most found for each request: a waiting request is looked up at every step)."""
+    seen, found_for = {"preempted": 0, "cached": 0}, {}
     scheduler = backend._engine.engine_core.engine_core.scheduler
     preempt, lookup = scheduler._preempt_request, scheduler.kv_cache_manager.get_computed_blocks
 
@@ -315,9 +318,10 @@ def _preemptions_and_cached_tokens(backend, monkeypatch):
         seen["preempted"] += 1
         return preempt(*args, **kwargs)
 
-    def counting_lookup(*args, **kwargs):
-        found = lookup(*args, **kwargs)
-        seen["cached"] += found[1]
+    def counting_lookup(request, *args, **kwargs):
+        found = lookup(request, *args, **kwargs)
+        found_for[request.request_id] = max(found_for.get(request.request_id, 0), found[1])
+        seen["cached"] = sum(found_for.values())
         return found
 
     monkeypatch.setattr(scheduler, "_preempt_request", counting_preempt)
@@ -326,8 +330,8 @@ def _preemptions_and_cached_tokens(backend, monkeypatch):
 
 
 def test_preempted_requests_keep_their_output(world, plain, squeezed, monkeypatch):
-    """Under load on a CPU: requests preempted when the KV cache fills and resumed by
-    recomputing their prefill. Greedy output with SD is our engine's; seeded samples with SD
+    """Under load on a CPU, with prompts prefilled whole: requests preempted when the KV cache
+    fills and resumed by recomputing their prefill (whole too). Greedy output with SD is our engine's; seeded samples with SD
     repeat; without drafts they are what the same requests sample in an engine with room."""
     model = world[0]
     prompts = _random_prompts(8, 120, seed=10)
@@ -432,4 +436,5 @@ def test_train_on_vllm_trains_and_publishes_the_drafter(tmp_path):
     assert sum(r["drafter_steps"] for r in rows[1:]) > 0  # from step 2 on: the buffer holds step 1's update
     assert len({r["drafter_sha"] for r in rows}) > 1
     log = (tmp_path / "runs" / "default" / "vllm.log").read_text()  # vLLM's own lines, not the terminal's
-    assert "worker 0 " in log and "worker 1 " in log and "worker 0 " not in done.stderr
+    assert "worker 0 " in log and "worker 1 " in log
+    assert "disabling chunked prefill" in log and "disabling chunked prefill" not in done.stderr

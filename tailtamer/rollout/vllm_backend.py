@@ -183,30 +183,54 @@ def policy_tensors(model) -> dict[str, torch.Tensor]:
 
 
 class VLLMLog:
-    """vLLM's own log (what it says at start-up, and the scheduler dump of several hundred
-    kilobytes it writes when a step fails) sent to a file instead of the terminal, where it
-    would bury tailtamer's one-line error; the error names the file. The file is made only
-    when vLLM says something; `close` gives the terminal back its handlers."""
+    """Where vLLM's own log goes. To a file: its warnings, and the dump of its whole scheduler
+    state (several hundred kilobytes) it writes when a step fails, which on the terminal would
+    bury tailtamer's one-line error; the error names the file. Without a file, to the terminal
+    at ERROR (VLLM_LOGGING_LEVEL sets another level). tailtamer sets the "vllm" logger up itself
+    and starts vLLM with its own set-up off (a VLLM_LOGGING_CONFIG_PATH is not read), because
+    vLLM's would replace these handlers whenever an engine starts. In a process with several
+    engines the latest one's log is in force; closing it puts back the one before."""
 
-    def __init__(self, path: str | Path, who: str = ""):
-        self.path = Path(path)
-        self.handler = logging.FileHandler(self.path, encoding="utf-8", delay=True)
+    _open: list["VLLMLog"] = []
+    _original: tuple = ()  # the logger's handlers, level and propagation before the first
+
+    def __init__(self, path: str | Path | None = None, who: str = ""):
+        self.path = Path(path) if path is not None else None
+        if self.path is None:
+            self.handler = logging.StreamHandler(sys.stderr)
+            self.level = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR").upper())
+        else:  # opened at vLLM's first line in this process (`note`)
+            self.handler = logging.FileHandler(self.path, encoding="utf-8", delay=True)
+            self.level = logging.WARNING
         self.handler.setFormatter(logging.Formatter(f"%(asctime)s {who}%(levelname)s %(name)s: %(message)s"))
-        self.logger = logging.getLogger("vllm")  # every vLLM module logs under it, and it does not propagate
-        self.replaced = list(self.logger.handlers)
-        for handler in self.replaced:
-            self.logger.removeHandler(handler)
-        self.logger.addHandler(self.handler)
+        logger = logging.getLogger("vllm")
+        if not VLLMLog._open:
+            VLLMLog._original = (list(logger.handlers), logger.level, logger.propagate)
+        VLLMLog._open.append(self)
+        self._apply()
+
+    @staticmethod
+    def _apply() -> None:
+        logger = logging.getLogger("vllm")
+        if VLLMLog._open:
+            top = VLLMLog._open[-1]
+            logger.handlers, logger.propagate = [top.handler], False
+            logger.setLevel(top.level)
+        else:
+            handlers, level, logger.propagate = VLLMLog._original
+            logger.handlers = handlers
+            logger.setLevel(level)
 
     def note(self) -> str:
-        return f" (vLLM's log: {self.path})" if self.path.exists() else ""
+        """" (vLLM's log: FILE)" when vLLM wrote to the file in this process, else ""."""
+        written = self.path is not None and getattr(self.handler, "stream", None) is not None
+        return f" (vLLM's log: {self.path})" if written else ""
 
     def close(self) -> None:
-        self.logger.removeHandler(self.handler)
-        self.handler.close()
-        if not self.logger.handlers:
-            for handler in self.replaced:
-                self.logger.addHandler(handler)
+        if self in VLLMLog._open:
+            VLLMLog._open.remove(self)
+            self.handler.close()
+            VLLMLog._apply()
 
 
 class VLLMBackend:
@@ -218,13 +242,11 @@ class VLLMBackend:
                  log_file: str | Path | None = None, log_prefix: str = ""):
         """`model` and `drafter`: the trainer's modules (what a publish pushes and checks);
         the engine starts from `model_dir` and the drafter as it is now. `log_file`: where
-        vLLM's own log goes (each line starting with `log_prefix`); None: the terminal."""
+        vLLM's own log goes (each line marked with `log_prefix`); None: the terminal, at ERROR
+        (without a tokenizer in the engine, token ids in and out, its start logs a warm-up
+        traceback at WARNING; and stdout carries `train`'s summary and `generate`'s line)."""
         require_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: the scheduler and weights are reachable
-        # vLLM logs to stdout at INFO by default: stdout carries `train`'s summary and `generate`'s line
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-        # ERROR: without a tokenizer in the engine (token ids in and out) its start logs a warm-up traceback
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         import vllm
 
         self._vllm = vllm
@@ -236,7 +258,7 @@ class VLLMBackend:
         device_type = model.device.type
         check_model(model.config, device_type, f"model {model_dir}")
         self.tuner, self.bs_threshold, self.llm, self._dir = None, None, None, None
-        self._log = VLLMLog(log_file, log_prefix) if log_file is not None else None
+        self._log = VLLMLog(log_file, log_prefix)
         try:
             self._start(vllm, model_dir, spec, drafter, cfg, max_batch_size, seed, device_type)
         except BaseException as e:
@@ -267,8 +289,6 @@ class VLLMBackend:
                 speculative.update(method="eagle", model=self._dir)
         dtype = cfg.dtype if cfg.dtype != "auto" else ("float32" if device_type == "cpu" else "bfloat16")
         self.dtype = getattr(torch, dtype)
-        # with a log file, vLLM keeps the handler VLLMLog put in place rather than configure its own
-        logging_config = {"logging_config": LoggingConfig(configure_logging=False)} if self._log is not None else {}
         self.llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                             enforce_eager=not cfg.compile, max_model_len=self.max_seq_len, max_num_seqs=max_batch_size,
                             kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
@@ -276,7 +296,9 @@ class VLLMBackend:
                             # every request is seeded: where its generator cannot be rewound after a
                             # chunk's dropped sample (a CPU's), prompts are prefilled whole
                             enable_chunked_prefill=generators_rewind(self.model.device),
-                            disable_log_stats=False, speculative_config=speculative, **logging_config)
+                            disable_log_stats=False, speculative_config=speculative,
+                            # VLLMLog's handler stays: vLLM's own set-up would replace it
+                            logging_config=LoggingConfig(configure_logging=False, pylogging_config_file=None))
         if device_type == "cpu" and speculative is not None:
             fix_cpu_expand()
         self._engine = self.llm.llm_engine
@@ -342,7 +364,8 @@ class VLLMBackend:
                 emitted += len(delta.token_ids)
                 if out.finished:
                     if delta.finish_reason not in ("stop", "length"):
-                        raise RolloutBackendError(f"vLLM ended request {out.request_id} with {delta.finish_reason!r}")
+                        raise RolloutBackendError(f"vLLM ended request {out.request_id} with {delta.finish_reason!r}"
+                                                  f"{self._log_note()}")
                     c.finish_reason = delta.finish_reason
             if prefill:
                 stats.prefill_s += t1 - t0
@@ -427,7 +450,7 @@ class VLLMBackend:
         return worst
 
     def _log_note(self) -> str:
-        return self._log.note() if self._log is not None else ""
+        return self._log.note() if getattr(self, "_log", None) is not None else ""
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:

@@ -128,7 +128,7 @@ def generators_rewind(device: torch.device) -> bool:
     off, so every prompt is prefilled in one step and no sample is dropped or rewound."""
     try:
         torch.Generator(device=device).get_offset()
-    except RuntimeError:
+    except (RuntimeError, NotImplementedError):
         return False
     return True
 
