@@ -368,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="tailtamer", choices=["tailtamer", "vllm"],
                    help="the engine: tailtamer (embedded) or vllm (in the environment `make vllm-env` creates)")
     g.add_argument("--spec", default="off", choices=["off", "on", "adaptive"], help="speculative decoding")
-    g.add_argument("--strategy", help="DEPTH_TOPK_VERIFY draft tree (default 4_2_8; 4_1_5 with --backend vllm)")
+    g.add_argument("--strategy", help="DEPTH_TOPK_VERIFY draft tree, or DEPTH_TOPK_VERIFY@C drafted as deep as the "
+                   "drafter is confident (default 4_2_8; 4_1_5 with --backend vllm)")
     g.add_argument("--drafter", help="EAGLE drafter directory, or 'ngram'")
     g.add_argument("--bs-threshold", type=int, default=SpecConfig().bs_threshold,
                    help="adaptive: speculate once at most this many requests are running (default: "

@@ -181,6 +181,7 @@ def test_the_vllm_backend_takes_chains_for_the_default_arms():
 @pytest.mark.parametrize("override, message", [
     ("spec.strategies=[4_2_8,4_1_5,2_1_3]", "spec.strategies 4_2_8: vLLM drafts chains only"),
     ("spec.strategy=4_2_8 spec.tuner=fixed", "spec.strategy 4_2_8: vLLM drafts chains only"),
+    ("spec.strategies=[7_1_8@0.3,4_1_5,2_1_3]", "spec.strategies 7_1_8@0.3: vLLM drafts chains of a fixed length"),
     ("spec.compile=true", "with rollout.backend=vllm use vllm.compile"),
     ("vllm.kv_cache_gb=0", "vllm.kv_cache_gb must be > 0"),
     ("spec.acceptance=synthetic", "is refused: tailtamer only verifies losslessly"),

@@ -52,7 +52,7 @@ def _generate(model, prompts, params, batch, proposer=None, strategy=None):
     return Engine(model, config=EngineConfig(max_batch_size=batch), speculator=speculator).generate(prompts, params)
 
 
-@pytest.mark.parametrize("strategy", ["1_1_2", "4_1_5", "3_2_6", "4_3_10"])
+@pytest.mark.parametrize("strategy", ["1_1_2", "4_1_5", "3_2_6", "4_3_10", "10_1_11@0.3", "6_2_8@0.2"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_greedy_is_identical_with_random_and_trained_drafters(target, trained_drafter, strategy, batch):
     params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
@@ -86,14 +86,15 @@ def test_trained_drafter_accepts_more_than_random(target, trained_drafter):
     assert trained_stats.summary()["accept_rate_by_position"]["1"] > 0.3
 
 
+@pytest.mark.parametrize("strategy", ["4_2_8", "10_1_11@0.3", "6_2_8@0.2"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, n=3, max_new_tokens=30, seed=5),
                                     SamplingParams(temperature=0.8, top_p=0.9, top_k=20, n=3, max_new_tokens=30)])
-def test_seeded_sampling_is_identical_in_float64(target, trained_drafter, params):
+def test_seeded_sampling_is_identical_in_float64(target, trained_drafter, params, strategy):
     """The token at response index t is drawn with the request's uniform number t, with or
-    without SD."""
+    without SD, whatever the drafts."""
     prompts = TRAIN_PROMPTS[10:14]
     plain, _ = _generate(target, prompts, params, 6)
-    spec, stats = _generate(target, prompts, params, 6, EagleProposer(trained_drafter), "4_2_8")
+    spec, stats = _generate(target, prompts, params, 6, EagleProposer(trained_drafter), strategy)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert stats.accepted_tokens > 0
 
@@ -140,19 +141,21 @@ def _lossy_accept(tree, draws):
     return path, torch.nn.functional.pad(tokens, (0, tree.depth - 1)), torch.full((B,), 2)
 
 
-def _second_tokens(model, drafter, params, n):
+def _second_tokens(model, drafter, params, n, strategy="2_3_5"):
     engine = Engine(model, config=EngineConfig(max_batch_size=256), eos_ids=(),
-                    speculator=Speculator.fixed(EagleProposer(drafter), "2_3_5"))
+                    speculator=Speculator.fixed(EagleProposer(drafter), strategy))
     out, _ = engine.generate([[3, 7, 2]], SamplingParams(**{**params.__dict__, "n": n, "max_new_tokens": 3}))
     return torch.bincount(torch.tensor([c.token_ids[1] for c in out]), minlength=12)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(seed=21), SamplingParams(top_k=6, seed=22),
-                                    SamplingParams(top_p=0.8, seed=23)], ids=["t1", "topk", "topp"])
-def test_sd_samples_follow_the_target_distribution(params):
+@pytest.mark.parametrize("params,strategy", [(SamplingParams(seed=21), "2_3_5"), (SamplingParams(top_k=6, seed=22), "2_3_5"),
+                                             (SamplingParams(top_p=0.8, seed=23), "2_3_5"),
+                                             (SamplingParams(seed=24), "3_3_8@0.3"), (SamplingParams(seed=25), "3_1_4@0.3")],
+                         ids=["t1", "topk", "topp", "confidence-tree", "confidence-chain"])
+def test_sd_samples_follow_the_target_distribution(params, strategy):
     model, drafter = _small_world()
     n = 3000
-    counts = _second_tokens(model, drafter, params, n)
+    counts = _second_tokens(model, drafter, params, n, strategy)
     expected = _second_token_marginal(model, [3, 7, 2], params) * n
     support = expected > 0
     assert counts[~support].sum() == 0
@@ -233,6 +236,43 @@ def test_bad_strategies(text, message):
 
 def test_strategy_candidates():
     assert Strategy.parse("8_4_48").candidates == 4 + 7 * 16
+
+
+@pytest.mark.parametrize("text,message", [("4_1_5@1", "in \\(0, 1\\)"), ("4_1_5@0", "in \\(0, 1\\)"),
+                                          ("4_1_5@x", "a number in"), ("4_1_5@nan", "a number in"),
+                                          ("4@0.3", "DEPTH_TOPK_VERIFY@CONFIDENCE")])
+def test_bad_confidence_strategies(text, message):
+    with pytest.raises(ConfigError, match=message):
+        Strategy.parse(text)
+
+
+def test_a_confidence_strategy_names_itself():
+    s = Strategy.parse("12_1_13@0.30")
+    assert (s.depth, s.topk, s.verify, s.confidence, s.name) == (12, 1, 13, 0.3, "12_1_13@0.3")
+    assert Strategy.parse(s.name) == s and Strategy.parse("4_2_8").name == "4_2_8"
+
+
+@pytest.mark.parametrize("strategy", ["10_1_11", "6_2_8"])
+def test_drafts_go_as_deep_as_the_drafter_is_confident(target, trained_drafter, strategy):
+    """A floor no path reaches drafts one level; a floor every path clears drafts the full
+    depth; a floor in between drafts some steps shallower than others."""
+    depths = {}
+    for floor in ("0.999999", "1e-30", "0.1"):
+        proposer = EagleProposer(trained_drafter)
+        propose, seen = proposer.propose, []
+
+        def recording(*args, propose=propose, seen=seen):
+            tree = propose(*args)
+            seen.append(tree.depth)
+            return tree
+
+        proposer.propose = recording
+        _generate(target, TRAIN_PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=30), 3, proposer,
+                  f"{strategy}@{floor}")
+        depths[floor] = seen
+    full = Strategy.parse(strategy).depth
+    assert set(depths["0.999999"]) == {1} and set(depths["1e-30"]) == {full}
+    assert min(depths["0.1"]) < max(depths["0.1"])
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -577,11 +617,11 @@ def test_a_chain_drafts_the_same_from_the_last_steps_pairs_as_from_the_gathered_
         proposer, trees = EagleProposer(trained_drafter), []
         chain = proposer._chain
 
-        def spy(running, depth):
+        def spy(running, depth, floor=0.0):
             if not reuse:
                 proposer.recent = None
             used = proposer.recent is not None
-            tree = chain(running, depth)
+            tree = chain(running, depth, floor)
             trees.append((used, tree))
             return tree
 

@@ -32,6 +32,8 @@ when the parameters are listed again.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -139,7 +141,7 @@ class DraftStep:
 
     def greedy_chain(self, layer_cache: torch.Tensor, cache, slots, ids: torch.Tensor, hidden: torch.Tensor,
                      index: torch.Tensor | None, last: torch.Tensor | None, depth: int, span: int, tables=None,
-                     mark=None, first: int | None = None) -> torch.Tensor:
+                     mark=None, first: int | None = None, floor: float = 0.0) -> torch.Tensor:
         """A whole draft chain, the top-1 tokens (B, depth): the extend over pairs (hidden, ids)
         (B, W) of `slots` (pairs past `last` are padding; None: every row's last pair is its
         last column), then depth - 1 levels from each row's last pair, level d + 1 running the
@@ -163,7 +165,12 @@ class DraftStep:
         inside the graph, it is a view of the cache's one tensor for all layers, and a
         compiled write through it copies that whole tensor back, which costs more than the
         chain. `mark(d)`, when given, is called after the extend (d = 0) and after level
-        d + 1 (the eager chain's phase marks)."""
+        d + 1 (the eager chain's phase marks).
+
+        `floor` > 0 (eager only: a Python decision per level): the chain stops after the first
+        level at which every row's path probability (the product of the drafter's top-1
+        probabilities so far) is below `floor`, and is shorter than `depth` (`Strategy`'s
+        `@C`)."""
         B, W = ids.shape
         sizes = [W] + [1] * (depth - 1)
         calls = self._calls(index, cache, slots, span, sizes, layer_cache.dtype, tables) if first is None else \
@@ -172,12 +179,19 @@ class DraftStep:
         c, s, m, view = calls[0]
         x = self.forward(ids, hidden, c, s, m, layer_cache, view)
         x = x.narrow(1, W - 1, 1) if last is None else x[torch.arange(B, device=ids.device), last][:, None]
-        tokens = [F.linear(x, head).argmax(-1)]  # (B, 1): the next level's ids as they are
+        logits = F.linear(x, head)
+        tokens = [logits.argmax(-1)]  # (B, 1): the next level's ids as they are
+        path = logits.float().log_softmax(-1).amax(-1) if floor else None  # (B, 1) log path probability
         if mark is not None:
             mark(0)
         for d, (c, s, m, view) in enumerate(calls[1:], 1):
+            if path is not None and bool((path < math.log(floor)).all()):
+                break
             x = self.forward(tokens[-1], x, c, s, m, layer_cache, view)
-            tokens.append(F.linear(x, head).argmax(-1))
+            logits = F.linear(x, head)
+            tokens.append(logits.argmax(-1))
+            if path is not None:
+                path = path + logits.float().log_softmax(-1).amax(-1)
             if mark is not None:
                 mark(d)
         return torch.cat(tokens, 1)

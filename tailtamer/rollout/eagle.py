@@ -9,6 +9,7 @@ pair. A plain step costs the engine two tensor writes here (observe), nothing mo
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from functools import lru_cache
@@ -41,7 +42,9 @@ def _chain_shape(batch: int, depth: int, device: torch.device):
 def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: torch.Tensor,
                root_hidden: torch.Tensor, pending: torch.Tensor, strategy: Strategy, max_start: int) -> Tree:
     """EAGLE-2 style dynamic tree (Li et al. 2024b): expand the top-k beams by cumulative draft
-    log-probability for `depth` levels, then keep the N-1 best of all candidates.
+    log-probability for `depth` levels, then keep the N-1 best of all candidates. With a
+    confidence (D_K_N@C), expansion stops once every request's best beam is below C (deeper
+    nodes only score lower), and the tree keeps the best N-1 of the candidates drafted.
 
     root_logits / root_hidden: the drafter's output for pair (h_{n-1}, s) with s pending, i.e.
     its guess of the distribution after s. Draft rows of depth-d beams go to drafter cache
@@ -60,8 +63,11 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
     beam_hidden = root_hidden[:, None].expand(B, K, root_hidden.shape[-1])
     rows = (D - 1) * K
     beam_anc = torch.zeros(B, K, max(rows, 1), dtype=torch.bool, device=dev)
-    n_cand = K
+    n_cand, levels = K, D
     for d in range(1, D):
+        if strategy.confidence and bool((beam_score[:, 0] < math.log(strategy.confidence)).all()):
+            levels = d  # topk's scores are sorted: column 0 is each request's best beam
+            break
         col = (d - 1) * K + torch.arange(K, device=dev)
         mask = beam_anc[:, :, : d * K].clone()
         mask[:, torch.arange(K), col] = True
@@ -90,11 +96,12 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
     parents, depths = torch.cat(cand_parent, 1), torch.cat(cand_depth, 1)
     # Stable sort: among equal scores the shallower (earlier) candidate wins, so every chosen
     # node's parent is chosen too (a child's score never exceeds its parent's).
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : strategy.verify - 1]
+    N = min(strategy.verify, n_cand + 1)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : N - 1]
     chosen = torch.sort(order, dim=1).values  # candidate order = depth order: parents first
     # Map candidate index -> tree index (1-based; 0 is the pending root).
     tree_index = torch.full((B, n_cand), -1, dtype=torch.long, device=dev)
-    tree_index.scatter_(1, chosen, torch.arange(1, strategy.verify, device=dev).expand(B, -1))
+    tree_index.scatter_(1, chosen, torch.arange(1, N, device=dev).expand(B, -1))
     chosen_parent = torch.gather(parents, 1, chosen)
     parent_tree = torch.where(chosen_parent < 0, torch.zeros_like(chosen_parent),
                               torch.gather(tree_index, 1, chosen_parent.clamp(min=0)))
@@ -103,7 +110,7 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
     return Tree(tokens=torch.cat([pending[:, None], torch.gather(tokens, 1, chosen)], 1),
                 parents=torch.cat([zero - 1, parent_tree], 1),
                 depths=torch.cat([zero, torch.gather(depths, 1, chosen)], 1),
-                valid=torch.ones(B, strategy.verify, dtype=torch.bool, device=dev), depth=D)
+                valid=torch.ones(B, N, dtype=torch.bool, device=dev), depth=levels)
 
 
 QUEUE_LIMIT = 32  # observed steps kept before they are written (they hold the verify's hidden states)
@@ -334,17 +341,18 @@ class EagleProposer(Proposer):
         span = max(firsts) + width
         return self.drafter.decode(ids, hidden, self.cache, slots, starts, span=span, last=last)
 
-    def _chain(self, running: list, depth: int) -> Tree:
+    def _chain(self, running: list, depth: int, floor: float = 0.0) -> Tree:
         """A chain (strategy D_1_(D+1)): `Drafter.greedy_chain` over each request's backlog,
         compiled (`CompiledChain`) where it applies (a compiled bucket, a backlog of at most
-        depth + 1 pairs), else eager. The backlog is the last SD step's pairs when they are
-        it (`observe`), else gathered from `features`; its last pair's token is pending."""
+        depth + 1 pairs, a fixed depth), else eager. The backlog is the last SD step's pairs
+        when they are it (`observe`), else gathered from `features`; its last pair's token is
+        pending. With a confidence `floor` (D_1_(D+1)@C) it may stop short of `depth`."""
         slot_ids, ends = [r.slot for r in running], [r.cached for r in running]
         # the engine keeps a batch in slots 0..B-1 (`Engine._compact`), as the verify reads it
         assert slot_ids == list(range(len(running))), slot_ids
         firsts = [self.drafted[s] for s in slot_ids]
         width = max(e - f for f, e in zip(firsts, ends))
-        bucket = self.chain.bucket(len(running), self.cache) if self.chain is not None else None
+        bucket = self.chain.bucket(len(running), self.cache) if self.chain is not None and not floor else None
         if bucket is not None and width > depth + 1:
             bucket = None  # a longer backlog runs eager
         W = width if bucket is None else depth + 1  # a compiled chain's extend is padded to depth + 1 pairs
@@ -379,13 +387,13 @@ class EagleProposer(Proposer):
             drafts = self.drafter.greedy_chain(
                 self.cache.kv[0], self.cache, slice(0, len(running)), ids, hidden, index, last, depth, span,
                 mark=lambda d: PHASES.mark(f"sd: draft level {d + 1}" if d else "sd: drafter extend (draft level 1)"),
-                first=firsts[0] if same else None)
+                first=firsts[0] if same else None, floor=floor)
         self.chained = ends
         return chain_tree(torch.cat((pending, drafts), 1))
 
     def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
         if strategy.topk == 1:
-            return self._chain(running, strategy.depth)
+            return self._chain(running, strategy.depth, strategy.confidence)
         self.recent = None
         self._flush()
         pending = self.next_tokens[torch.arange(len(running), device=starts.device), starts - 1]

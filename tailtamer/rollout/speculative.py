@@ -43,11 +43,21 @@ MAX_DEPTH = 64
 
 @dataclass(frozen=True)
 class Strategy:
-    """`D_K_N`: draft depth D, top-k K per expansion, N tokens to verify (tree size with the root)."""
+    """`D_K_N`: draft depth D, top-k K per expansion, N tokens to verify (tree size with the root).
+
+    `D_K_N@C`: the same budget, drafted only as deep as the drafter is confident (EAGLE-2,
+    Li et al. 2024, arXiv 2406.16858: the drafter's probability approximates the chance a
+    draft is accepted). A path's confidence is the product of the drafter's probabilities
+    along it; drafting stops after the first level at which every request's best path is
+    below C, so D is the most it drafts. A chain then verifies the levels it drafted; a tree
+    keeps its best N - 1 candidates (at most as many as were drafted). Which drafts are
+    verified never changes what is accepted from them (`accept`), so this is lossless for
+    any C."""
 
     depth: int
     topk: int
     verify: int
+    confidence: float = 0.0  # 0: always D levels
 
     def __post_init__(self):
         if self.depth < 1 or self.topk < 1 or self.verify < 2:
@@ -61,6 +71,8 @@ class Strategy:
             raise ConfigError(f"strategy {self.name}: a chain (top-k 1) verifies its {self.depth} drafts and the "
                               f"pending token; write {self.depth}_1_{self.depth + 1}, or {self.verify - 1}_1_"
                               f"{self.verify} for {self.verify - 1} drafts")
+        if not 0 <= self.confidence < 1:
+            raise ConfigError(f"strategy {self.name}: the confidence after @ must be in (0, 1), a path probability")
 
     @property
     def candidates(self) -> int:
@@ -68,14 +80,23 @@ class Strategy:
 
     @property
     def name(self) -> str:
-        return f"{self.depth}_{self.topk}_{self.verify}"
+        return f"{self.depth}_{self.topk}_{self.verify}" + (f"@{self.confidence:g}" if self.confidence else "")
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
-        parts = str(text).split("_")
+        shape, at, floor = str(text).partition("@")
+        parts = shape.split("_")
         if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts):
-            raise ConfigError(f"strategy {text!r} is not DEPTH_TOPK_VERIFY (e.g. 4_2_8)")
-        return cls(*map(int, parts))
+            raise ConfigError(f"strategy {text!r} is not DEPTH_TOPK_VERIFY (e.g. 4_2_8) or DEPTH_TOPK_VERIFY@CONFIDENCE "
+                              f"(e.g. 12_1_13@0.3)")
+        try:
+            confidence = float(floor) if at else 0.0
+        except ValueError:
+            confidence = -1.0
+        if at and not 0 < confidence < 1:
+            raise ConfigError(f"strategy {text!r}: the confidence after @ must be a number in (0, 1), a path "
+                              f"probability")
+        return cls(*map(int, parts), confidence)
 
 
 @dataclass

@@ -28,7 +28,8 @@ GPU_BS_THRESHOLD = 64
 @dataclass(frozen=True)
 class SpecConfig:
     mode: str = f("off", "off, on (SD at every step, fixed strategy) or adaptive (SD in the long tail, tuned)")
-    strategy: str = f("4_2_8", "DEPTH_TOPK_VERIFY draft tree for mode=on and tuner=fixed")
+    strategy: str = f("4_2_8", "DEPTH_TOPK_VERIFY draft tree for mode=on and tuner=fixed; DEPTH_TOPK_VERIFY@C drafts "
+                               "only as deep as the drafter is confident (path probability C)")
     drafter: str | None = f(None, "an EAGLE drafter directory, or ngram (model-free); in train, builtin (the "
                                   "built-in base model's warm-up drafter)")
     acceptance: str = f("exact", "the acceptance rule; only the exact (lossless) one exists")

@@ -98,6 +98,10 @@ def check_strategies(spec) -> None:
         return
     names = [spec.strategy] if spec.mode == "on" or spec.tuner == "fixed" else list(spec.strategies)
     field = "spec.strategy" if spec.mode == "on" or spec.tuner == "fixed" else "spec.strategies"
+    shaped = [n for n in names if Strategy.parse(n).confidence]
+    if shaped:
+        raise ConfigError(f"{field} {', '.join(shaped)}: vLLM drafts chains of a fixed length per step; a depth "
+                          f"shaped by the drafter's confidence (@) runs on rollout.backend=tailtamer")
     trees = [n for n in names if (s := Strategy.parse(n)).topk != 1 or s.verify != s.depth + 1]
     if trees:
         raise ConfigError(f"{field} {', '.join(trees)}: vLLM drafts chains only, DEPTH_1_DEPTH+1 (e.g. "
