@@ -141,22 +141,47 @@ def _lossy_accept(tree, draws):
     return path, torch.nn.functional.pad(tokens, (0, tree.depth - 1)), torch.full((B,), 2)
 
 
-def _second_tokens(model, drafter, params, n, strategy="2_3_5"):
+def _second_tokens(model, drafter, params, n):
     engine = Engine(model, config=EngineConfig(max_batch_size=256), eos_ids=(),
-                    speculator=Speculator.fixed(EagleProposer(drafter), strategy))
+                    speculator=Speculator.fixed(EagleProposer(drafter), "2_3_5"))
     out, _ = engine.generate([[3, 7, 2]], SamplingParams(**{**params.__dict__, "n": n, "max_new_tokens": 3}))
     return torch.bincount(torch.tensor([c.token_ids[1] for c in out]), minlength=12)
 
 
-@pytest.mark.parametrize("params,strategy", [(SamplingParams(seed=21), "2_3_5"), (SamplingParams(top_k=6, seed=22), "2_3_5"),
-                                             (SamplingParams(top_p=0.8, seed=23), "2_3_5"),
-                                             (SamplingParams(seed=24), "3_3_8@0.3"), (SamplingParams(seed=25), "3_1_4@0.3")],
-                         ids=["t1", "topk", "topp", "confidence-tree", "confidence-chain"])
-def test_sd_samples_follow_the_target_distribution(params, strategy):
+@pytest.mark.parametrize("params", [SamplingParams(seed=21), SamplingParams(top_k=6, seed=22),
+                                    SamplingParams(top_p=0.8, seed=23)], ids=["t1", "topk", "topp"])
+def test_sd_samples_follow_the_target_distribution(params):
     model, drafter = _small_world()
     n = 3000
-    counts = _second_tokens(model, drafter, params, n, strategy)
+    counts = _second_tokens(model, drafter, params, n)
     expected = _second_token_marginal(model, [3, 7, 2], params) * n
+    support = expected > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support].tolist(), expected[support].tolist()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["3_3_8@0.3", "3_1_4@0.3"], ids=["tree", "chain"])
+def test_confidence_shaped_drafts_sample_the_target_distribution(strategy):
+    """The third token, which the first SD step's second-level drafts propose where the
+    drafter was confident and the target alone decides where it was not (steps of both
+    kinds ran): its distribution is the exact marginal."""
+    model, _ = _small_world()
+    drafter = init_drafter(model, seed=1, std=0.05).double()  # less sure of itself than _small_world's
+    n, prompt, params = 3000, [3, 7, 2], SamplingParams(seed=24)
+    engine = Engine(model, config=EngineConfig(max_batch_size=256), eos_ids=(),
+                    speculator=Speculator.fixed(EagleProposer(drafter), strategy))
+    out, stats = engine.generate([prompt], SamplingParams(seed=24, n=n, max_new_tokens=4))
+    full = Strategy.parse(strategy).verify - 1
+    request_steps = sum(stats.accept_lens.values())
+    assert 0 < stats.drafted_tokens < full * request_steps  # some drafts were cut short, not all
+    assert stats.accepted_tokens > 0
+    counts = torch.bincount(torch.tensor([c.token_ids[2] for c in out]), minlength=12)
+    with torch.no_grad():  # p(x3) = sum over x1, x2 of p(x1) p(x2 | x1) p(x3 | x1, x2)
+        p1 = target_probs(model(torch.tensor([prompt]))[0][0, -1], params)
+        p2 = target_probs(model(torch.tensor([prompt + [a] for a in range(12)]))[0][:, -1], params)
+        p3 = target_probs(model(torch.tensor([prompt + [a, b] for a in range(12) for b in range(12)]))[0][:, -1],
+                          params).view(12, 12, 12)
+    expected = torch.einsum("a,ab,abc->c", p1, p2, p3) * n
     support = expected > 0
     assert counts[~support].sum() == 0
     assert chisquare(counts[support].tolist(), expected[support].tolist()).pvalue > 1e-3
@@ -250,6 +275,24 @@ def test_a_confidence_strategy_names_itself():
     s = Strategy.parse("12_1_13@0.30")
     assert (s.depth, s.topk, s.verify, s.confidence, s.name) == (12, 1, 13, 0.3, "12_1_13@0.3")
     assert Strategy.parse(s.name) == s and Strategy.parse("4_2_8").name == "4_2_8"
+    close = Strategy.parse("4_1_5@0.1234567")
+    assert Strategy.parse(close.name) == close != Strategy.parse("4_1_5@0.1234568")
+
+
+def test_the_ngram_drafter_takes_no_confidence_arms():
+    with pytest.raises(ConfigError, match="spec.strategies 7_1_8@0.3: the ngram drafter has no confidence"):
+        SpecConfig(mode="adaptive", drafter="ngram", strategies=("4_2_8", "7_1_8@0.3", "4_1_5", "2_1_3"))
+
+
+def test_a_confidence_chain_is_not_compiled(target, trained_drafter):
+    """Its stop is a decision in Python per level, which a compiled chain would not take: it
+    runs eager, and stops."""
+    proposer = EagleProposer(trained_drafter, compiled=True)
+    propose, depths = proposer.propose, []
+    proposer.propose = lambda *args: (lambda tree: (depths.append(tree.depth), tree)[1])(propose(*args))
+    _generate(target, TRAIN_PROMPTS[:2], SamplingParams(temperature=0, max_new_tokens=12), 2, proposer,
+              "4_1_5@0.999999")
+    assert depths and set(depths) == {1} and not proposer.chain.ready
 
 
 @pytest.mark.parametrize("strategy", ["10_1_11", "6_2_8"])

@@ -142,7 +142,7 @@ class DraftStep:
     def greedy_chain(self, layer_cache: torch.Tensor, cache, slots, ids: torch.Tensor, hidden: torch.Tensor,
                      index: torch.Tensor | None, last: torch.Tensor | None, depth: int, span: int, tables=None,
                      mark=None, first: int | None = None, floor: float = 0.0) -> torch.Tensor:
-        """A whole draft chain, the top-1 tokens (B, depth): the extend over pairs (hidden, ids)
+        """A whole draft chain, the top-1 tokens (B, depth; fewer levels with a `floor`): the extend over pairs (hidden, ids)
         (B, W) of `slots` (pairs past `last` are padding; None: every row's last pair is its
         last column), then depth - 1 levels from each row's last pair, level d + 1 running the
         pair (ĥ, d-th draft): a plain decode step of the drafter, no tree mask, no beam
@@ -190,7 +190,7 @@ class DraftStep:
             x = self.forward(tokens[-1], x, c, s, m, layer_cache, view)
             logits = F.linear(x, head)
             tokens.append(logits.argmax(-1))
-            if path is not None:
+            if path is not None and d < depth - 1:  # the last level's is read by no decision
                 path = path + logits.float().log_softmax(-1).amax(-1)
             if mark is not None:
                 mark(d)

@@ -45,11 +45,12 @@ MAX_DEPTH = 64
 class Strategy:
     """`D_K_N`: draft depth D, top-k K per expansion, N tokens to verify (tree size with the root).
 
-    `D_K_N@C`: the same budget, drafted only as deep as the drafter is confident (EAGLE-2,
-    Li et al. 2024, arXiv 2406.16858: the drafter's probability approximates the chance a
-    draft is accepted). A path's confidence is the product of the drafter's probabilities
-    along it; drafting stops after the first level at which every request's best path is
-    below C, so D is the most it drafts. A chain then verifies the levels it drafted; a tree
+    `D_K_N@C`: the same budget, drafted only as deep as the drafter is confident. EAGLE-2 (Li
+    et al. 2024, arXiv 2406.16858) observed that the drafter's probability approximates the
+    chance a draft is accepted and reranks a fixed-depth tree by it; here it also sets the
+    depth. A path's confidence is the product of the drafter's probabilities along it;
+    drafting stops after the first level at which every running request's best path is
+    below C (one confident request keeps the batch drafting), so D is the most it drafts. A chain then verifies the levels it drafted; a tree
     keeps its best N - 1 candidates (at most as many as were drafted). Which drafts are
     verified never changes what is accepted from them (`accept`), so this is lossless for
     any C."""
@@ -80,7 +81,7 @@ class Strategy:
 
     @property
     def name(self) -> str:
-        return f"{self.depth}_{self.topk}_{self.verify}" + (f"@{self.confidence:g}" if self.confidence else "")
+        return f"{self.depth}_{self.topk}_{self.verify}" + (f"@{self.confidence!r}" if self.confidence else "")
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":

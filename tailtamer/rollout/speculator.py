@@ -71,6 +71,12 @@ class SpecConfig:
         if self.compile and self.drafter == "ngram":
             raise ConfigError("spec.compile compiles an EAGLE drafter's draft chains; the ngram drafter has none")
         self._bandit()  # its settings are checked in every mode: a wrong one is a mistake even where unused
+        if self.drafter == "ngram":  # it has no confidence to shape its drafts by: such an arm would be a twin
+            for field, names in (("spec.strategy", [self.strategy]), ("spec.strategies", self.strategies)):
+                shaped = [n for n in names if Strategy.parse(n).confidence]
+                if shaped:
+                    raise ConfigError(f"{field} {', '.join(shaped)}: the ngram drafter has no confidence to shape its "
+                                      f"depth by (@); @ arms need an EAGLE drafter")
 
     def threshold(self, device_type: str) -> int | None:
         """The long-tail switch for a target on `device_type` (None: every batch size). Unset, a
