@@ -7,6 +7,7 @@ repetition and each figure is a median; absolute times are printed for context o
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,12 +28,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def progress(line: str) -> None:
+    """A benchmark's one-off preparation (training the base model and its drafter on a first
+    run, minutes) said on stderr: stdout carries the report."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _default_model_dir(model_dir: str | None) -> Path:
     if model_dir:
         return Path(model_dir)
     from tailtamer.sft import SFTConfig, ensure_base_model
 
-    return ensure_base_model(SFTConfig())
+    return ensure_base_model(SFTConfig(), log=progress)
 
 
 def _random_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -149,7 +156,7 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
 
     path = _default_model_dir(model_dir)
     model, tokenizer = load_pretrained(path)
-    drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path), model)
+    drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path, log=progress), model)
     prompts_all = worked_prompts(tokenizer, max(batches + (8,)), seed=424242, min_ops=8)
     params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1)
     arms = [(f"eagle {s}", lambda s=s: Speculator.fixed(EagleProposer(drafter), s)) for s in strategies]
@@ -197,7 +204,7 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
 
     path = _default_model_dir(model_dir)
     model, tokenizer = load_pretrained(path)
-    drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path), model)
+    drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path, log=progress), model)
     problems = ArithmeticTask().dataset(prompts, seed=31337)
     ids = [tokenizer.encode(p["prompt"]) for p in problems]
     params = SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=2)

@@ -189,13 +189,14 @@ def profile_update(model_dir, repeats: int = 3) -> dict:
 
 
 def bench_profile(model_dir: str | None = None, rl_steps: int = 6, repeats: int = 3, drafter_dir: str | None = None) -> dict:
-    from tailtamer.bench import _default_model_dir
+    from tailtamer.bench import _default_model_dir, progress
     from tailtamer.drafter.train import ensure_builtin_drafter
 
     path = _default_model_dir(model_dir)
     t0 = time.perf_counter()
     report = {"model": str(path), "threads": torch.get_num_threads(),
-              "decode": profile_decode(path, drafter_dir or ensure_builtin_drafter(path), repeats=repeats),
+              "decode": profile_decode(path, drafter_dir or ensure_builtin_drafter(path, log=progress),
+                                       repeats=repeats),
               "update": profile_update(path, repeats=repeats)}
     if rl_steps and model_dir is None:
         report["rl_step"] = profile_rl(rl_steps)

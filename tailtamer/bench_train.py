@@ -66,6 +66,7 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
     (float32 verification may round a rare token differently). Speedups: the ratio of the
     arms' median steps over every step of every repeat, and the median of the per-step ratios
     (step i off / step i SD, seconds apart)."""
+    from tailtamer.bench import progress
     from tailtamer.config import load_train_config
     from tailtamer.rl.run_state import prepare
 
@@ -78,10 +79,10 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
         return [f"run.steps={steps}", f"run.name={name}-{r}", f"run.out_dir={out_dir}", "run.eval_every=0",
                 "run.save_every=0", *overrides, *ARMS[name]]
 
-    # once, here: the base model's SFT and the drafter's warm-up on a first run (cached), and a
-    # bad --set refused in one line before anything starts
+    # once, here: the base model's SFT and the drafter's warm-up on a first run (cached; minutes,
+    # said on stderr as `make demo` says it), and a bad --set refused in one line before anything starts
     for name in ARMS:
-        prepare(load_train_config(None, args(name, 0)), log=lambda _: None)
+        prepare(load_train_config(None, args(name, 0)), log=progress)
     rows: dict[str, list[list[dict]]] = {k: [] for k in ARMS}
     for r in range(repeats):
         order = list(ARMS) if r % 2 == 0 else list(ARMS)[::-1]

@@ -359,3 +359,19 @@ def test_a_failed_command_leaves_no_empty_directories_it_created(tmp_path, capsy
 def test_an_empty_output_path_is_named(argv, message, capsys):
     assert main(argv) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_a_benchmarks_first_run_says_its_preparation_on_stderr(monkeypatch, capsys):
+    """On a fresh machine `bench train` trains the base model and its drafter first (minutes):
+    it says so on stderr, as `make demo` does, and stdout keeps only the report."""
+    import tailtamer.sft as sft
+
+    def training(cfg, log=print):  # what a first run's SFT says, then a stop: nothing is trained here
+        log(f"training the base model into base-{cfg.preset} (cached for later runs)")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sft, "ensure_base_model", training)
+    for argv in (["bench", "train"], ["bench", "sd"]):
+        assert main(argv) == 130  # stopped as by Ctrl-C, before anything ran
+        out, err = capsys.readouterr()
+        assert "training the base model into base-base" in err and not out

@@ -142,11 +142,11 @@ class DraftStep:
     def greedy_chain(self, layer_cache: torch.Tensor, cache, slots, ids: torch.Tensor, hidden: torch.Tensor,
                      index: torch.Tensor | None, last: torch.Tensor | None, depth: int, span: int, tables=None,
                      mark=None, first: int | None = None, floor: float = 0.0) -> torch.Tensor:
-        """A whole draft chain, the top-1 tokens (B, depth; fewer levels with a `floor`): the extend over pairs (hidden, ids)
-        (B, W) of `slots` (pairs past `last` are padding; None: every row's last pair is its
-        last column), then depth - 1 levels from each row's last pair, level d + 1 running the
-        pair (ĥ, d-th draft): a plain decode step of the drafter, no tree mask, no beam
-        bookkeeping. `index` (B, W + depth - 1) holds the drafter rows (= positions) of the
+        """A whole draft chain, the top-1 tokens (B, depth; fewer with a `floor`): the extend
+        over pairs (hidden, ids) (B, W) of `slots` (pairs past `last` are padding; None: every
+        row's last pair is its last column), then depth - 1 levels from each row's last pair,
+        level d + 1 running the pair (ĥ, d-th draft): a plain decode step of the drafter, no
+        tree mask, no beam bookkeeping. `index` (B, W + depth - 1) holds the drafter rows (= positions) of the
         extend's pairs, from the row's first, then of each level, `chain_index`. The
         extend's and the levels' masks, rotations and cache rows are built at once, as for one
         call of W + depth - 1 tokens, and split into each call's (eager, building them per

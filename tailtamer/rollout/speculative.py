@@ -50,10 +50,10 @@ class Strategy:
     chance a draft is accepted and reranks a fixed-depth tree by it; here it also sets the
     depth. A path's confidence is the product of the drafter's probabilities along it;
     drafting stops after the first level at which every running request's best path is
-    below C (one confident request keeps the batch drafting), so D is the most it drafts. A chain then verifies the levels it drafted; a tree
-    keeps its best N - 1 candidates (at most as many as were drafted). Which drafts are
-    verified never changes what is accepted from them (`accept`), so this is lossless for
-    any C."""
+    below C (one confident request keeps the batch drafting), so D is the most it drafts.
+    A chain then verifies the levels it drafted; a tree keeps its best N - 1 candidates (at
+    most as many as were drafted). Which drafts are verified never changes what is accepted
+    from them (`accept`), so this is lossless for any C."""
 
     depth: int
     topk: int
