@@ -142,11 +142,14 @@ def worked_prompts(tokenizer, n: int, seed: int, min_ops: int = 4) -> list[list[
 
 
 def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STRATEGIES, repeats: int = 1,
-             new_tokens: int = 256, temperature: float = 1.0, drafter_dir: str | None = None) -> dict:
+             new_tokens: int = 256, temperature: float = 1.0, drafter_dir: str | None = None, group: int = 8) -> dict:
     """Accept length and speedup of speculative decoding over plain decoding on the built-in
-    task, with the warmed-up EAGLE drafter and with the n-gram drafter, per batch size.
+    task, with the warmed-up EAGLE drafter and with the n-gram drafter, per batch size, on two
+    workloads: max(8, B) different problems ("group": 1), and as GRPO samples them, max(8, B) /
+    `group` problems × `group` siblings (the n-gram drafter reads the siblings' text; `group`
+    1 runs only the first).
 
-    For batch size B the engine runs max(8, B) prompts with at most B at once; plain and SD
+    For batch size B the engine runs max(8, B) requests with at most B at once; plain and SD
     runs are interleaved and use the same seeds, so they emit the same tokens (checked)."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
@@ -158,29 +161,32 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
     model, tokenizer = load_pretrained(path)
     drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path, log=progress), model)
     prompts_all = worked_prompts(tokenizer, max(batches + (8,)), seed=424242, min_ops=8)
-    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1)
     arms = [(f"eagle {s}", lambda s=s: Speculator.fixed(EagleProposer(drafter), s)) for s in strategies]
     arms.append(("ngram 4_1_5", lambda: Speculator.fixed(NgramProposer(), "4_1_5")))
     rows = []
-    for batch in batches:
-        prompts = prompts_all[: max(8, batch)]
-        config = EngineConfig(max_batch_size=batch)
-        plain_engine = Engine(model, tokenizer, config)
-        plain_engine.generate(prompts[:1], params)  # warm-up
-        for name, make in arms:
-            engine = Engine(model, tokenizer, config, speculator=make())
-            engine.generate(prompts[:1], params)
-            t_plain, t_sd = [], []
-            for _ in range(repeats):
-                plain, plain_stats = plain_engine.generate(prompts, params)
-                t_plain.append(plain_stats.seconds)
-                sd, stats = engine.generate(prompts, params)
-                t_sd.append(stats.seconds)
-            same = sum(a.token_ids == b.token_ids for a, b in zip(plain, sd)) / len(sd)
-            rows.append({"batch": batch, "drafter": name, "accept_len": round(stats.accept_len_mean, 3),
-                         "speedup": round(statistics.median(t_plain) / statistics.median(t_sd), 3),
-                         "plain_tokens_per_s": round(sum(len(c.token_ids) for c in plain) / statistics.median(t_plain), 1),
-                         "identical_outputs": same})
+    for size in sorted({1, group}):
+        params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1, n=size)
+        for batch in batches:
+            prompts = prompts_all[: max(1, max(8, batch) // size)]
+            config = EngineConfig(max_batch_size=batch)
+            plain_engine = Engine(model, tokenizer, config)
+            plain_engine.generate(prompts[:1], params)  # warm-up
+            for name, make in arms:
+                engine = Engine(model, tokenizer, config, speculator=make())
+                engine.generate(prompts[:1], params)
+                t_plain, t_sd = [], []
+                for _ in range(repeats):
+                    plain, plain_stats = plain_engine.generate(prompts, params)
+                    t_plain.append(plain_stats.seconds)
+                    sd, stats = engine.generate(prompts, params)
+                    t_sd.append(stats.seconds)
+                same = sum(a.token_ids == b.token_ids for a, b in zip(plain, sd)) / len(sd)
+                rows.append({"group": size, "batch": batch, "drafter": name,
+                             "accept_len": round(stats.accept_len_mean, 3),
+                             "speedup": round(statistics.median(t_plain) / statistics.median(t_sd), 3),
+                             "plain_tokens_per_s": round(sum(len(c.token_ids) for c in plain)
+                                                         / statistics.median(t_plain), 1),
+                             "identical_outputs": same})
     return {"model": str(path), "temperature": temperature, "new_tokens": new_tokens, "threads": torch.get_num_threads(),
             "rows": rows}
 

@@ -21,7 +21,7 @@ from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig
 # Which benchmarks each `bench` flag is for
 BENCH_FLAGS = {"--model": ("decode", "sd", "rollout", "profile"), "--preset": ("decode",),
                "--drafter": ("sd", "rollout", "profile"), "--steps": ("train", "profile"), "--new-tokens": ("decode",),
-               "--set": ("train",)}
+               "--set": ("train",), "--group": ("sd",)}
 # `generate`'s flags for the SpecConfig fields they set
 SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy", "bs_threshold": "--bs-threshold",
               "tuner": "--tuner", "compile": "--compile"}
@@ -286,13 +286,14 @@ def cmd_bench(args) -> None:
     if args.what == "train" and (args.model or args.preset):
         raise TailtamerError("bench train runs the built-in default job; change it with --set key=value")
     given = {"--model": args.model, "--preset": args.preset, "--drafter": args.drafter, "--steps": args.steps,
-             "--new-tokens": args.new_tokens, "--set": args.set or None}
+             "--new-tokens": args.new_tokens, "--set": args.set or None, "--group": args.group}
     for flag, value in given.items():  # a flag a benchmark would ignore is a mistake to say, not to skip
         if value is not None and args.what not in BENCH_FLAGS[flag]:
             raise TailtamerError(f"{flag} is for bench {', '.join(BENCH_FLAGS[flag])}, not bench {args.what}")
     args.steps = 10 if args.steps is None else at_least_one(args.steps, "--steps")
     args.new_tokens = 64 if args.new_tokens is None else at_least_one(args.new_tokens, "--new-tokens")
     at_least_one(args.repeats, "--repeats")
+    args.group = 8 if args.group is None else at_least_one(args.group, "--group")
     drafts = args.what in BENCH_FLAGS["--drafter"]
     if drafts and args.model and not args.drafter:  # the built-in drafter is trained for the built-in model
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
@@ -311,7 +312,8 @@ def cmd_bench(args) -> None:
     elif args.what == "rollout":
         report = bench_rollout(args.model, repeats=args.repeats, drafter_dir=args.drafter)
     elif args.what == "sd":
-        report = bench_sd(args.model, repeats=args.repeats, drafter_dir=args.drafter)
+        report = bench_sd(args.model, repeats=args.repeats, drafter_dir=args.drafter,
+                          group=args.group)
     elif args.preset:
         report = bench_random_model(args.preset, args.repeats, args.new_tokens)
     else:
@@ -430,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--preset", help="benchmark a random model of this preset size instead")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")
     b.add_argument("--new-tokens", type=int, help="decode: tokens per sequence (default 64)")
+    b.add_argument("--group", type=int, help="sd: siblings per problem of the grouped workload, as GRPO samples "
+                                            "(default 8; 1: the single workload only)")
     b.add_argument("--out", help="also write the report here")
     b.add_argument("--steps", type=int, help="train, profile: RL steps per run (default 10; profile: >= 2)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="train: a config override (repeatable)")

@@ -309,6 +309,8 @@ def test_bad_generate_arguments_are_one_line_errors(model_dir, tmp_path, capsys,
     (["bench", "rollout", "--preset", "tiny"], "--preset is for bench decode, not bench rollout"),
     (["bench", "decode", "--set", "rl.lr=1"], "--set is for bench train, not bench decode"),
     (["bench", "sd", "--new-tokens", "8"], "--new-tokens is for bench decode, not bench sd"),
+    (["bench", "sd", "--group", "0"], "--group must be >= 1, got 0"),
+    (["bench", "train", "--group", "8"], "--group is for bench sd, not bench train"),
     (["demo", "--prompts", "0"], "--prompts must be >= 1, got 0"),
     (["train", "--resume", "{tmp}/nope"], "--resume {tmp}/nope: no such directory; give a run's directory"),
     (["train", "--resume", "{tmp}/full"], "--resume {tmp}/full: not a run directory (it has no config.yaml)"),
@@ -375,3 +377,18 @@ def test_a_benchmarks_first_run_says_its_preparation_on_stderr(monkeypatch, caps
         assert main(argv) == 130  # stopped as by Ctrl-C, before anything ran
         out, err = capsys.readouterr()
         assert "training the base model into base-base" in err and not out
+
+
+def test_bench_sd_runs_a_grouped_workload_beside_the_single_one(model_dir, tmp_path):
+    """GRPO's shape: problems × siblings, where the n-gram drafter reads the siblings' text;
+    every arm's output identical to plain decoding on both workloads."""
+    from tailtamer.bench import bench_sd
+    from tailtamer.model.drafter import init_drafter, save_drafter
+    from tailtamer.model.io import load_model
+
+    save_drafter(init_drafter(load_model(model_dir), std=0.2), tmp_path / "drafter")
+    report = bench_sd(str(model_dir), batches=(2,), strategies=("2_1_3",), new_tokens=8,
+                      drafter_dir=str(tmp_path / "drafter"), group=4)
+    assert [(r["group"], r["drafter"]) for r in report["rows"]] == [
+        (1, "eagle 2_1_3"), (1, "ngram 4_1_5"), (4, "eagle 2_1_3"), (4, "ngram 4_1_5")]
+    assert all(r["identical_outputs"] == 1.0 for r in report["rows"])
