@@ -146,13 +146,13 @@ class DraftStep:
         over pairs (hidden, ids) (B, W) of `slots` (pairs past `last` are padding; None: every
         row's last pair is its last column), then depth - 1 levels from each row's last pair,
         level d + 1 running the pair (ĥ, d-th draft): a plain decode step of the drafter, no
-        tree mask, no beam bookkeeping. `index` (B, W + depth - 1) holds the drafter rows (= positions) of the
-        extend's pairs, from the row's first, then of each level, `chain_index`. The
-        extend's and the levels' masks, rotations and cache rows are built at once, as for one
-        call of W + depth - 1 tokens, and split into each call's (eager, building them per
-        level was ~30 µs of a ~180 µs level at batch 1). Padding rows lie where the levels
-        write next or past them, and causal attention never reads them. `span` covers every
-        row the chain writes.
+        tree mask, no beam bookkeeping. `index` (B, W + depth - 1) holds the drafter rows
+        (= positions) of the extend's pairs, from the row's first, then of each level,
+        `chain_index`. The extend's and the levels' masks, rotations and cache rows are built
+        at once, as for one call of W + depth - 1 tokens, and split into each call's (eager,
+        building them per level was ~30 µs of a ~180 µs level at batch 1). Padding rows lie
+        where the levels write next or past them, and causal attention never reads them.
+        `span` covers every row the chain writes.
 
         `first` instead of `index` when every row's backlog is the same W pairs from row
         `first` (a batch of one always: the end of every long tail, where SD runs longest):

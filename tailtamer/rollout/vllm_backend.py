@@ -454,7 +454,7 @@ class VLLMBackend:
         return worst
 
     def _log_note(self) -> str:
-        return self._log.note() if getattr(self, "_log", None) is not None else ""
+        return self._log.note() if self._log is not None else ""
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
