@@ -52,8 +52,9 @@ The checks, and what each figure should be:
    through tailtamer's Engine, plainly and with SD at every step (`make_speculator(SpecConfig(
    mode="on", drafter=DIR, strategy=S), target)`), for drafters: random (init_drafter std 0.2:
    accepts almost nothing), warmed (train_drafter on the target's own greedy continuations:
-   accepts ~1.5-1.7 tokens per step, so accepted paths are exercised) and ngram; strategies
-   4_1_5 (chain) and 4_2_8 (tree).
+   accepts ~1.5-1.7 tokens per step, so accepted paths are exercised) with strategies 4_1_5
+   (chain), 4_2_8 (tree) and 4_1_5+s8 (the chain fused with suffix drafts), and the suffix
+   drafter alone (s4_1_5, s4_2_8).
      float64.identical      every SD output equals plain greedy, token for token. Expected true
                             everywhere (CPU: true). Pass: true, with accepted_tokens > 0.
      float32.token_match_rate  share of token positions where SD equals plain greedy. CPU: 1.0.
@@ -130,6 +131,8 @@ FAULTS = ("parity", "lossless_sd")
 FP32_REL_TOL = 1e-3
 BF16_REL_TOL = 0.05
 TIE_REL = 0.02
+EAGLE_CHECKS = ("4_1_5", "4_2_8", "4_1_5+s8")  # a chain, a tree, the chain fused with suffix drafts
+SUFFIX_CHECKS = ("s4_1_5", "s4_2_8")  # the suffix drafter alone
 TOP1_MIN = 0.98
 FP32_SD_TOKEN_MATCH_MIN = 0.95
 
@@ -355,7 +358,7 @@ def check_lossless_sd(device: torch.device, s: dict, fault: str | None) -> dict:
                                   DrafterTrainConfig(steps=s["drafter_steps"], batch_size=16, lr=3e-3),
                                   drafter=init_drafter(target64).to(device), log=lambda _: None)
         drafter_train_s = time.perf_counter() - t0
-        drafters = {"random": Path(tmp) / "random", "warmed": Path(tmp) / "warmed", "ngram": "ngram"}
+        drafters = {"random": Path(tmp) / "random", "warmed": Path(tmp) / "warmed", "suffix": "suffix"}
         save_drafter(init_drafter(target64, std=0.2), drafters["random"])
         save_drafter(warmed, drafters["warmed"])
         report = {"drafter_warmup_s": drafter_train_s,
@@ -365,7 +368,7 @@ def check_lossless_sd(device: torch.device, s: dict, fault: str | None) -> dict:
             expected = [c.token_ids for c in plain]
             runs = []
             for drafter, where in drafters.items():
-                for strategy in ("4_1_5", "4_2_8"):
+                for strategy in SUFFIX_CHECKS if drafter == "suffix" else EAGLE_CHECKS:
                     spec = make_speculator(SpecConfig(mode="on", drafter=str(where), strategy=strategy), target)
                     planted = fault == "lossless_sd" and dtype == "float64" and drafter == "warmed"
                     if planted:  # SD runs another model than plain decoding did

@@ -128,6 +128,8 @@ def bench_random_model(preset: str, repeats: int = 3, new_tokens: int = 64) -> d
 
 
 SD_STRATEGIES = ("2_1_3", "4_1_5", "6_1_7", "4_2_8", "6_3_12")
+SD_SUFFIX = "s8_2_9"  # the suffix drafter alone
+SD_FUSED = ("4_1_5+s8", "6_1_7+s8")  # EAGLE chains with 8 suffix drafts fused in
 SD_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -144,25 +146,28 @@ def worked_prompts(tokenizer, n: int, seed: int, min_ops: int = 4) -> list[list[
 def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STRATEGIES, repeats: int = 1,
              new_tokens: int = 256, temperature: float = 1.0, drafter_dir: str | None = None, group: int = 8) -> dict:
     """Accept length and speedup of speculative decoding over plain decoding on the built-in
-    task, with the warmed-up EAGLE drafter and with the n-gram drafter, per batch size, on two
+    task, with the warmed-up EAGLE drafter, the suffix drafter and the two fused, per batch size, on two
     workloads: max(8, B) different problems ("group": 1), and as GRPO samples them, max(8, B) /
-    `group` problems × `group` siblings (the n-gram drafter reads the siblings' text; `group`
+    `group` problems × `group` siblings (the suffix index reads the siblings' text; `group`
     1 runs only the first).
 
     For batch size B the engine runs max(8, B) requests with at most B at once; plain and SD
     runs are interleaved and use the same seeds, so they emit the same tokens (checked)."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
-    from tailtamer.rollout.ngram import NgramProposer
     from tailtamer.rollout.eagle import EagleProposer
+    from tailtamer.rollout.fused import FusedProposer
     from tailtamer.rollout.speculator import Speculator
+    from tailtamer.rollout.suffix import SuffixProposer
 
     path = _default_model_dir(model_dir)
     model, tokenizer = load_pretrained(path)
     drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path, log=progress), model)
     prompts_all = worked_prompts(tokenizer, max(batches + (8,)), seed=424242, min_ops=8)
     arms = [(f"eagle {s}", lambda s=s: Speculator.fixed(EagleProposer(drafter), s)) for s in strategies]
-    arms.append(("ngram 4_1_5", lambda: Speculator.fixed(NgramProposer(), "4_1_5")))
+    arms.append((f"suffix {SD_SUFFIX}", lambda: Speculator.fixed(SuffixProposer(), SD_SUFFIX)))
+    arms += [(f"fused {s}", lambda s=s: Speculator.fixed(FusedProposer(EagleProposer(drafter), SuffixProposer()), s))
+             for s in SD_FUSED]
     rows = []
     for size in sorted({1, group}):
         params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=1, n=size)
@@ -224,7 +229,7 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
 
     kept = {  # engines kept across the runs
         "plain": Engine(model, tokenizer, config),
-        "sd_fixed_" + fixed.strategy: Engine(model, tokenizer, config, speculator=Speculator(
+        "sd_fixed_" + fixed.fixed: Engine(model, tokenizer, config, speculator=Speculator(
             EagleProposer(drafter), fixed.make_tuner())),
         "adaptive": adaptive_engine(),
         "adaptive_compiled": adaptive_engine(compiled=True),

@@ -124,7 +124,7 @@ def cmd_generate(args) -> None:
     from tailtamer.rollout.sampling import SamplingParams
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.backend import EmbeddedBackend
-    from tailtamer.rollout.speculator import make_speculator
+    from tailtamer.rollout.speculator import check_engine_drafter, make_speculator
     from tailtamer.rollout.vllm_backend import (VLLM_STRATEGIES, VLLM_STRATEGY, VLLMBackend, VLLMConfig, bias_free,
                                                 check_params, check_strategies, require_vllm)
 
@@ -135,11 +135,13 @@ def cmd_generate(args) -> None:
             if args.dtype == "float64":
                 raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
         arms = {"strategies": VLLM_STRATEGIES} if vllm else {}  # chains: vLLM drafts no trees
-        spec = SpecConfig(mode=args.spec, strategy=args.strategy or (VLLM_STRATEGY if vllm else "4_2_8"),
+        spec = SpecConfig(mode=args.spec, strategy=args.strategy or (VLLM_STRATEGY if vllm else None),
                           drafter=args.drafter, bs_threshold=args.bs_threshold, tuner=args.tuner,
                           compile=args.compile and not vllm, **arms)
         if vllm:
             check_strategies(spec)
+        else:
+            check_engine_drafter(spec)
     except ConfigError as e:  # named by the flags that set them here, not the config fields
         raise ConfigError(re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))) from None
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -148,14 +150,14 @@ def cmd_generate(args) -> None:
     if vllm:  # before anything loads or starts
         check_params(params, spec.mode != "off", device.type)
     inputs = {"--prompts": args.prompts, "--model": args.model, **({"--drafter": args.drafter}
-                                                                   if args.drafter not in (None, "ngram") else {})}
+                                                                   if args.drafter not in (None, "ngram", "suffix") else {})}
     output_file(args.out, "--out", inputs)
     if args.stats:
         output_file(args.stats, "--stats", {**inputs, "--out": args.out})
     model, tokenizer = load_pretrained(args.model, args.dtype, device)
     rows, prompts = load_prompts(args.prompts, tokenizer)
     if args.backend == "vllm":
-        drafter = load_drafter(spec.drafter, model) if spec.mode != "off" and spec.drafter != "ngram" else None
+        drafter = load_drafter(spec.drafter, model) if spec.mode != "off" and spec.drafter not in ("ngram", "suffix") else None
         engine = VLLMBackend(args.model, model, tokenizer, spec, bias_free(drafter),
                              VLLMConfig(dtype=args.dtype, compile=args.compile), args.max_batch_size,
                              log_file=Path(args.out).with_suffix(".vllm.log"))
@@ -372,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec", default="off", choices=["off", "on", "adaptive"], help="speculative decoding")
     g.add_argument("--strategy", help="DEPTH_TOPK_VERIFY draft tree, or DEPTH_TOPK_VERIFY@C drafted as deep as the "
                    "drafter is confident (default 4_2_8; 4_1_5 with --backend vllm)")
-    g.add_argument("--drafter", help="EAGLE drafter directory, or 'ngram'")
+    g.add_argument("--drafter", help="EAGLE drafter directory, or 'suffix' (model-free: siblings and the request's own "
+                                     "text); with --backend vllm 'ngram' (vLLM's prompt lookup)")
     g.add_argument("--bs-threshold", type=int, default=SpecConfig().bs_threshold,
                    help="adaptive: speculate once at most this many requests are running (default: "
                         f"{GPU_BS_THRESHOLD} on a GPU or with --tuner fixed, every batch size on a CPU)")

@@ -25,7 +25,7 @@ from tailtamer.rl.optim import LR_SCHEDULES
 from tailtamer.rl.sharding import SHARDINGS
 from tailtamer.rollout.backend import BACKENDS
 from tailtamer.rollout.engine import EngineConfig
-from tailtamer.rollout.speculator import SpecConfig
+from tailtamer.rollout.speculator import SpecConfig, check_engine_drafter
 from tailtamer.rollout.vllm_backend import VLLM_STRATEGIES, VLLM_STRATEGY, VLLMConfig, check_strategies
 
 
@@ -244,6 +244,8 @@ class TrainConfig:
     vllm: VLLMConfig = f(VLLMConfig(), "the vLLM engine, with rollout.backend=vllm")
 
     def __post_init__(self):
+        if self.rollout.backend != "vllm":
+            check_engine_drafter(self.spec)
         if self.rollout.backend == "vllm":
             check_strategies(self.spec)
         if self.rl.overlong == "penalty" and self.rl.overlong_buffer >= self.rollout.max_new_tokens:
@@ -259,7 +261,7 @@ class TrainConfig:
         if self.spec.drafter == "builtin" and self.run.model is not None and self.spec.mode != "off":
             raise ConfigError(f"spec.drafter=builtin is the built-in base model's drafter, not one for "
                               f"run.model={self.run.model}; give spec.drafter=DIR (tailtamer drafter train), "
-                              f"spec.drafter=ngram, or spec.mode=off")
+                              f"spec.drafter=suffix, or spec.mode=off")
 
 
 def _coerce(value: Any, kind, where: str):

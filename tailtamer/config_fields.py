@@ -55,7 +55,7 @@ def _absolute_reward(spec):
 
 # The fields naming files a run reads, and the values of each that are names, not paths.
 PATH_FIELDS = {("run", "model"): (), ("data", "train"): ("builtin",), ("data", "eval"): (),
-               ("spec", "drafter"): ("builtin", "ngram")}
+               ("spec", "drafter"): ("builtin", "ngram", "suffix")}
 
 
 def absolute_paths(data: dict) -> dict:

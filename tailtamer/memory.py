@@ -291,7 +291,7 @@ def _strategies(spec) -> list:
     from tailtamer.rollout.speculative import Strategy
 
     fixed = spec.mode == "on" or spec.tuner == "fixed"
-    return [Strategy.parse(s) for s in ((spec.strategy,) if fixed else spec.strategies)]
+    return [Strategy.parse(s) for s in ((spec.fixed,) if fixed else spec.arms)]
 
 
 def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dtype_bytes: int | None = None, *,
@@ -337,10 +337,10 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
     decode_rows = slots
     if speculates:
         strategies = _strategies(spec)
-        verify = max(s.verify for s in strategies)
-        draft_rows = max((s.depth - 1) * s.topk for s in strategies)
+        verify = max(s.width for s in strategies)
+        draft_rows = max(((s.depth - 1) * s.topk for s in strategies if not s.model_free), default=0)
         decode_rows = max(slots, spec.most_verified(slots, device_type))
-    eagle = speculates and spec.drafter not in (None, "ngram")
+    eagle = speculates and spec.drafter not in (None, "ngram", "suffix")
     trains = eagle and spot.train and (world > 1 or spot.single_worker == "window")
     return estimate(
         model_cfg, weight_bytes=weight_bytes, master_fp32=master_fp32, compute_bytes=dtype_bytes, slots=slots,

@@ -127,9 +127,10 @@ def plot_worker_timeline(row: dict, path: str | Path) -> Path:
 
 
 def plot_accept_lengths(history: list[dict], path: str | Path) -> Path:
-    """Accept length per RL step: measured in the rollout (adaptive drafter, SD steps only)
-    and estimated on each step's fresh responses for the adaptive drafter and for a frozen
-    copy of the warm-up drafter (the same data for both); drafter loss on the right axis,
+    """Accept length per RL step: measured in the rollout (SD steps only) and, where the
+    drafter trained with a frozen copy to compare, estimated on each step's fresh responses
+    for the adaptive drafter and for the frozen warm-up drafter (the same data for both);
+    with suffix drafts, the accepted drafts of each source; drafter loss on the right axis,
     when the drafter trained."""
     import matplotlib
 
@@ -138,9 +139,16 @@ def plot_accept_lengths(history: list[dict], path: str | Path) -> Path:
 
     steps = [r["step"] for r in history]
     fig, ax = plt.subplots(figsize=(8, 4.3), dpi=110)
-    ax.plot(steps, [r.get("accept_len_est") for r in history], "o-", label="adaptive drafter (estimate)")
-    ax.plot(steps, [r.get("accept_len_est_frozen") for r in history], "s--", label="frozen warm-up drafter (estimate)")
-    ax.plot(steps, [r["accept_len_mean"] for r in history], ".:", label="adaptive drafter (rollout's SD steps)")
+    if any(r.get("accept_len_est") is not None for r in history):
+        ax.plot(steps, [r.get("accept_len_est") for r in history], "o-", label="adaptive drafter (estimate)")
+        ax.plot(steps, [r.get("accept_len_est_frozen") for r in history], "s--",
+                label="frozen warm-up drafter (estimate)")
+    ax.plot(steps, [r["accept_len_mean"] for r in history], ".:", label="accept length (rollout's SD steps)")
+    sources = sorted({s for r in history for s in r.get("accepted_by_source") or {}})
+    if sources != ["eagle"]:  # drafts from the suffix index too: what each source's accepted drafts add
+        for source in sources:
+            ax.plot(steps, [(r.get("accepted_by_source") or {}).get(source, 0.0) for r in history], "-", alpha=0.7,
+                    label=f"accepted drafts from {source} (per SD request-step)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("accept length (tokens / verify)")
     ax.set_title("drafter: accept length per RL step", fontsize=10)

@@ -150,7 +150,8 @@ def test_generate_with_speculation_matches_plain(model_dir, tmp_path):
     assert (drafter / "config.json").is_file() and (drafter / "train.json").is_file()
     outputs = {}
     for name, extra in {"plain": [], "eagle": ["--spec", "on", "--drafter", str(drafter), "--strategy", "3_2_6"],
-                        "ngram": ["--spec", "on", "--drafter", "ngram"]}.items():
+                        "suffix": ["--spec", "on", "--drafter", "suffix"],
+                        "fused": ["--spec", "on", "--drafter", str(drafter), "--strategy", "3_1_4+s6"]}.items():
         out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
         assert main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
                      "--n", "2", "--max-new-tokens", "20", "--seed", "4", "--stats", str(stats), *extra]) == 0
@@ -158,7 +159,7 @@ def test_generate_with_speculation_matches_plain(model_dir, tmp_path):
         s = json.loads(stats.read_text())
         assert {"accept_len_mean", "accept_len_hist", "accept_rate_by_position", "drafted_tokens",
                 "accepted_tokens"} <= set(s)
-    assert outputs["plain"] == outputs["eagle"] == outputs["ngram"]
+    assert outputs["plain"] == outputs["eagle"] == outputs["suffix"] == outputs["fused"]
 
 
 def prompts_as_texts(tmp_path):
@@ -166,10 +167,12 @@ def prompts_as_texts(tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--spec", "on"], "--spec on needs a drafter (--drafter): an EAGLE drafter directory or 'ngram'"),
-    (["--spec", "on", "--drafter", "ngram", "--strategy", "8x4"], "--strategy: strategy '8x4' is not DEPTH_TOPK_VERIFY"),
-    (["--spec", "adaptive", "--drafter", "ngram", "--bs-threshold", "-1"], "--bs-threshold must be >= 0"),
-    (["--spec", "on", "--drafter", "ngram", "--compile"], "--compile compiles an EAGLE drafter's draft chains"),
+    (["--spec", "on"], "--spec on needs a drafter (--drafter): an EAGLE drafter directory or 'suffix'"),
+    (["--spec", "on", "--drafter", "ngram"], "--drafter=ngram is vLLM's prompt lookup"),
+    (["--spec", "on", "--drafter", "suffix", "--strategy", "4_1_5"], "--strategy 4_1_5: the suffix drafter drafts sD_K_N"),
+    (["--spec", "on", "--drafter", "suffix", "--strategy", "8x4"], "--strategy: strategy '8x4' is not DEPTH_TOPK_VERIFY"),
+    (["--spec", "adaptive", "--drafter", "suffix", "--bs-threshold", "-1"], "--bs-threshold must be >= 0"),
+    (["--spec", "on", "--drafter", "suffix", "--compile"], "--compile compiles an EAGLE drafter's draft chains"),
 ])
 def test_bad_speculation_flags(model_dir, tmp_path, capsys, extra, message):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
@@ -380,7 +383,7 @@ def test_a_benchmarks_first_run_says_its_preparation_on_stderr(monkeypatch, caps
 
 
 def test_bench_sd_runs_a_grouped_workload_beside_the_single_one(model_dir, tmp_path):
-    """GRPO's shape: problems × siblings, where the n-gram drafter reads the siblings' text;
+    """GRPO's shape: problems × siblings, where the suffix index reads the siblings' text;
     every arm's output identical to plain decoding on both workloads."""
     from tailtamer.bench import bench_sd
     from tailtamer.model.drafter import init_drafter, save_drafter
@@ -390,5 +393,5 @@ def test_bench_sd_runs_a_grouped_workload_beside_the_single_one(model_dir, tmp_p
     report = bench_sd(str(model_dir), batches=(2,), strategies=("2_1_3",), new_tokens=8,
                       drafter_dir=str(tmp_path / "drafter"), group=4)
     assert [(r["group"], r["drafter"]) for r in report["rows"]] == [
-        (1, "eagle 2_1_3"), (1, "ngram 4_1_5"), (4, "eagle 2_1_3"), (4, "ngram 4_1_5")]
+        (g, d) for g in (1, 4) for d in ("eagle 2_1_3", "suffix s8_2_9", "fused 4_1_5+s8", "fused 6_1_7+s8")]
     assert all(r["identical_outputs"] == 1.0 for r in report["rows"])

@@ -11,16 +11,16 @@ from tailtamer.errors import ConfigError
 
 def test_defaults_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("rl:\n  lr: 1e-5\n  advantage: rloo\nspec:\n  mode: adaptive\n  drafter: ngram\n")
-    cfg = load_train_config(path, ["rl.lr=2e-6", "rollout.group_size=4", "spec.strategies=[4_2_8, 3_3_8]",
+    path.write_text("rl:\n  lr: 1e-5\n  advantage: rloo\nspec:\n  mode: adaptive\n  drafter: suffix\n")
+    cfg = load_train_config(path, ["rl.lr=2e-6", "rollout.group_size=4", "spec.strategies=[s4_2_8, s3_3_8]",
                                    "spec.bucket_thresholds=[1]"])
     assert cfg.rl.lr == 2e-6 and cfg.rl.advantage == "rloo" and cfg.rollout.group_size == 4
-    assert cfg.spec.mode == "adaptive" and cfg.spec.strategies == ("4_2_8", "3_3_8")
+    assert cfg.spec.mode == "adaptive" and cfg.spec.strategies == ("s4_2_8", "s3_3_8")
     assert cfg.run == TrainConfig().run
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_train_config(None, ["spec.mode=on", "spec.drafter=ngram", "rl.dynamic_sampling=true"])
+    cfg = load_train_config(None, ["spec.mode=on", "spec.drafter=suffix", "rl.dynamic_sampling=true"])
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(to_dict(cfg)))
     assert load_train_config(path) == cfg

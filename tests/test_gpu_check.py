@@ -57,7 +57,8 @@ def test_every_check_passes_on_the_cpu_with_the_promised_figures(tmp_path):
     assert sd["float64"]["identical"] is True and sd["float64"]["sequence_match_rate"] == 1.0
     assert sd["float64"]["accepted_tokens"] > 0
     assert {(r["drafter"], r["strategy"]) for r in sd["float64"]["runs"]} == {
-        (d, s) for d in ("random", "warmed", "ngram") for s in ("4_1_5", "4_2_8")}
+        (d, s) for d in ("random", "warmed") for s in ("4_1_5", "4_2_8", "4_1_5+s8")} | {
+        ("suffix", "s4_1_5"), ("suffix", "s4_2_8")}
     warmed = [r for r in sd["float64"]["runs"] if r["drafter"] == "warmed"]
     assert all(r["accept_len"] > 1.1 for r in warmed)  # accepted paths are exercised
     assert sd["float32"]["token_match_rate"] >= 0.95

@@ -165,7 +165,7 @@ def test_a_step_of_too_many_samples_is_refused_naming_them():
 def test_estimate_for_with_speculative_decoding_matches_the_engine_and_the_eagle_proposer():
     model_cfg = tiny_config()
     model = random_model(model_cfg)
-    cfg = _train_config("spec.mode=on", "spec.drafter=ngram", "spec.strategy=3_2_6")
+    cfg = _train_config("spec.mode=on", "spec.drafter=suffix", "spec.strategy=s3_2_6")
     engine = _generate(model, cfg, _prompts(3), 4, make_speculator(cfg.spec, model))
     est = estimate_for(cfg, model_cfg)
     assert (est["cache_len"], est["drafter"]) == (engine._cache.max_len, 0) == (17 + 6, 0)
@@ -193,7 +193,7 @@ def test_estimate_for_verifies_every_slot_where_sd_may_run_at_any_batch_size():
 
     model_cfg = tiny_config()
     sizes = ("rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_batch_size=128",
-             "spec.mode=adaptive", "spec.drafter=ngram", "spec.strategies=[4_1_5]", "spec.bucket_thresholds=[1]")
+             "spec.mode=adaptive", "spec.drafter=suffix", "spec.strategies=[s4_1_5]", "spec.bucket_thresholds=[1]")
     cpu, gpu = (estimate_for(_train_config(*sizes), model_cfg, device_type=d)["decode"] for d in ("cpu", "cuda"))
     capped = estimate_for(_train_config(*sizes, "spec.bs_threshold=16"), model_cfg, device_type="cpu")["decode"]
     # rows: every slot's 5 tokens; GPU_BS_THRESHOLD requests' 5; the 128 slots' plain step (> 16 x 5)
@@ -204,13 +204,14 @@ def test_the_bandits_verified_rows_follow_its_buckets():
     """With the default strategies (N = 8, 5, 3) and buckets (1-2, 3-64, 65+), 128 requests
     verify at most 3 tokens each, 64 of them 5, 2 of them 8: 384 rows on a CPU, where SD may run
     at any batch size, 320 on a GPU (at most 64 requests speculate); not 128 x 8."""
-    spec = SpecConfig(mode="adaptive", drafter="ngram")
+    spec = SpecConfig(mode="adaptive", drafter="some-drafter")
     assert (spec.most_verified(128, "cpu"), spec.most_verified(128, "cuda")) == (384, 320)
     assert spec.most_verified(2, "cpu") == 16 and spec.most_verified(40, "cpu") == 200
-    assert SpecConfig(mode="on", drafter="ngram", strategy="3_2_6").most_verified(128, "cpu") == 128 * 6
+    assert SpecConfig(mode="on", drafter="suffix", strategy="s3_2_6").most_verified(128, "cpu") == 128 * 6
+    assert SpecConfig(mode="on", drafter="d", strategy="3_2_6+s4").most_verified(128, "cpu") == 128 * 10
     model_cfg = tiny_config()
     sizes = ("rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_batch_size=128",
-             "spec.mode=adaptive", "spec.drafter=ngram")
+             "spec.mode=adaptive", "spec.drafter=some-drafter")
     cpu, gpu = (estimate_for(_train_config(*sizes), model_cfg, device_type=d)["decode"] for d in ("cpu", "cuda"))
     assert cpu / 384 == gpu / 320 > 0
 

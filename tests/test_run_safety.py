@@ -539,3 +539,26 @@ def test_responses_the_context_will_cut_are_said_at_start_up(toy, tmp_path):
     _train(toy, "run.steps=1", "run.name=long", "rollout.max_new_tokens=300", log=lines.append)
     assert any(line.startswith("rollout.max_new_tokens=300, but the model's context is 256 tokens and prompts take "
                                "up to ") and line.endswith("as truncated") for line in lines), lines
+
+
+def test_the_draft_history_is_saved_with_the_checkpoint_and_a_bad_one_is_named(toy, tmp_path):
+    """The suffix drafter's history goes into every checkpoint; a resume reads it back (or, told
+    so, starts without it); a corrupt one is one line naming the file, and nothing is lost."""
+    suffix = ["spec.mode=on", "spec.drafter=suffix", "rollout.max_new_tokens=8", "run.save_every=1"]
+    _train(toy, *suffix, "run.steps=2", "run.name=h")
+    run = tmp_path / "runs" / "h"
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    blob = json.loads((latest / "draft_history.json").read_text())
+    assert blob["vocab_size"] > 0 and len(blob["workers"]) == 1
+    # 4 prompts x 8 samples a step, 8 kept per prompt: the last step's responses
+    assert len(blob["workers"][0]) == 4 and all(len(responses) == 8 for _, responses in blob["workers"][0])
+    (latest / "draft_history.json").write_text('{"format": "tailtamer draft history", "workers": [[["x", [[1]]]]]}')
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match=f"{latest / 'draft_history.json'}: cannot read the draft history .*"
+                                              f"spec.history_on_resume=fresh"):
+        _train(toy, "run.steps=3", resume=run)
+    assert (run / "metrics.jsonl").read_text() == before and latest.is_dir()
+    lines = []
+    _train(toy, "run.steps=3", "spec.history_on_resume=fresh", resume=run, log=lines.append)
+    assert "spec.history_on_resume=fresh: the suffix drafts start without the checkpoint's history" in lines
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3]

@@ -14,7 +14,7 @@ from tailtamer.errors import ConfigError
 from tailtamer.model.draft_step import chain_index
 from tailtamer.model.drafter import init_drafter
 from tailtamer.rollout.engine import Engine, EngineConfig
-from tailtamer.rollout.ngram import NgramProposer
+from tailtamer.rollout.suffix import SuffixProposer
 from tailtamer.rollout.eagle import EagleProposer
 from tailtamer.rollout.sampling import SamplingParams, target_probs
 from tailtamer.rollout.speculative import Strategy, Tree, accept, ancestor_mask
@@ -58,7 +58,7 @@ def test_greedy_is_identical_with_random_and_trained_drafters(target, trained_dr
     params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
     prompts = _prompts(5)
     plain, _ = _generate(target, prompts, params, batch)
-    for proposer in (EagleProposer(init_drafter(target, std=0.2)), EagleProposer(trained_drafter), NgramProposer()):
+    for proposer in (EagleProposer(init_drafter(target, std=0.2)), EagleProposer(trained_drafter), SuffixProposer()):
         spec, stats = _generate(target, prompts, params, batch, proposer, strategy)
         assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
         assert [c.finish_reason for c in spec] == [c.finish_reason for c in plain]
@@ -279,9 +279,9 @@ def test_a_confidence_strategy_names_itself():
     assert Strategy.parse(close.name) == close != Strategy.parse("4_1_5@0.1234568")
 
 
-def test_the_ngram_drafter_takes_no_confidence_arms():
-    with pytest.raises(ConfigError, match="spec.strategies 7_1_8@0.3: the ngram drafter has no confidence"):
-        SpecConfig(mode="adaptive", drafter="ngram", strategies=("4_2_8", "7_1_8@0.3", "4_1_5", "2_1_3"))
+def test_the_suffix_drafter_takes_only_its_own_arms():
+    with pytest.raises(ConfigError, match="spec.strategies 7_1_8@0.3, 4_1_5\\+s4: the suffix drafter drafts sD_K_N"):
+        SpecConfig(mode="adaptive", drafter="suffix", strategies=("s4_2_8", "7_1_8@0.3", "4_1_5+s4", "s2_1_3"))
 
 
 def test_a_confidence_chain_is_not_compiled(target, trained_drafter):
@@ -321,8 +321,11 @@ def test_drafts_go_as_deep_as_the_drafter_is_confident(target, trained_drafter, 
 @pytest.mark.parametrize("kwargs,message", [
     ({"acceptance": "typical"}, "refused"), ({"acceptance": "threshold"}, "refused"),
     ({"acceptance": "whatever"}, "refused"), ({"mode": "on"}, "needs a drafter"),
-    ({"mode": "maybe"}, "must be off, on or adaptive"), ({"mode": "on", "drafter": "ngram", "strategy": "9"}, "DEPTH_TOPK"),
-    ({"mode": "on", "drafter": "ngram", "compile": True}, "spec.compile compiles an EAGLE drafter"),
+    ({"mode": "maybe"}, "must be off, on or adaptive"), ({"mode": "on", "drafter": "suffix", "strategy": "9"}, "DEPTH_TOPK"),
+    ({"mode": "on", "drafter": "suffix", "compile": True}, "spec.compile compiles an EAGLE drafter"),
+    ({"mode": "on", "drafter": "suffix", "history": -1}, "spec.history must be >= 0"),
+    ({"mode": "on", "drafter": "suffix", "history_tokens": 0}, "spec.history_tokens must be >= 1"),
+    ({"mode": "on", "drafter": "suffix", "history_on_resume": "maybe"}, "spec.history_on_resume must be load or fresh"),
 ])
 def test_lossless_guard_and_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -331,7 +334,7 @@ def test_lossless_guard_and_config_errors(kwargs, message):
 
 def test_a_negative_threshold_is_refused():
     with pytest.raises(ConfigError, match="bs_threshold must be >= 0"):
-        Speculator(NgramProposer(), None, bs_threshold=-1)
+        Speculator(SuffixProposer(), None, bs_threshold=-1)
 
 
 def test_stats_count_drafts_and_acceptances(target, trained_drafter):

@@ -190,12 +190,12 @@ def test_exploration_is_reproducible_from_the_seed():
 ])
 def test_bad_adaptive_configs(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        SpecConfig(mode="adaptive", drafter="ngram", **kwargs)
+        SpecConfig(mode="adaptive", drafter="suffix", **kwargs)
 
 
 def test_fixed_tuner_and_mode_on_use_the_strategy():
-    assert SpecConfig(mode="on", drafter="ngram", strategy="3_1_4").make_tuner().select(100) == S("3_1_4")
-    assert isinstance(SpecConfig(mode="adaptive", drafter="ngram", tuner="fixed").make_tuner(), FixedTuner)
+    assert SpecConfig(mode="on", drafter="suffix", strategy="s3_1_4").make_tuner().select(100) == S("s3_1_4")
+    assert isinstance(SpecConfig(mode="adaptive", drafter="suffix", tuner="fixed").make_tuner(), FixedTuner)
 
 
 # --- the adaptive engine ---------------------------------------------------------------------
@@ -234,16 +234,16 @@ def test_the_long_tail_switch_is_unset_on_a_cpu_and_64_on_a_gpu_by_default():
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
 
-    unset, given = SpecConfig(mode="adaptive", drafter="ngram"), SpecConfig(mode="adaptive", drafter="ngram", bs_threshold=7)
+    unset, given = SpecConfig(mode="adaptive", drafter="suffix"), SpecConfig(mode="adaptive", drafter="suffix", bs_threshold=7)
     assert (unset.threshold("cpu"), unset.threshold("cuda"), unset.threshold("mps")) == (None, GPU_BS_THRESHOLD, GPU_BS_THRESHOLD)
     assert given.threshold("cpu") == given.threshold("cuda") == 7
-    assert SpecConfig(mode="adaptive", drafter="ngram", bs_threshold=0).threshold("cpu") == 0  # never: kept
+    assert SpecConfig(mode="adaptive", drafter="suffix", bs_threshold=0).threshold("cpu") == 0  # never: kept
     # a fixed strategy has no "no SD" arm to fall back on: it keeps the switch
-    assert SpecConfig(mode="adaptive", drafter="ngram", tuner="fixed").threshold("cpu") == GPU_BS_THRESHOLD
+    assert SpecConfig(mode="adaptive", drafter="suffix", tuner="fixed").threshold("cpu") == GPU_BS_THRESHOLD
     model = random_model(tiny_config()).double()
     assert make_speculator(unset, model).bs_threshold is None
     assert make_speculator(given, model).bs_threshold == 7
-    assert make_speculator(SpecConfig(mode="on", drafter="ngram"), model).bs_threshold is None
+    assert make_speculator(SpecConfig(mode="on", drafter="suffix"), model).bs_threshold is None
     # unset on a CPU, the bandit is asked from the first step, above GPU_BS_THRESHOLD running, and
     # SD stays lossless
     prompts = [[5 + i % 50, 9, 7 + i % 40, 3] for i in range(GPU_BS_THRESHOLD // 2 + 1)]
@@ -315,7 +315,7 @@ def test_a_run_says_what_the_unset_switch_means_on_its_device(toy):
 
     for extra, said in ((["run.name=a"], True), (["run.name=b", "spec.bs_threshold=8"], False)):
         logs = []
-        setup(prepare(load_train_config(None, toy + ["spec.mode=adaptive", "spec.drafter=ngram", *extra])),
+        setup(prepare(load_train_config(None, toy + ["spec.mode=adaptive", "spec.drafter=suffix", *extra])),
               log=logs.append)
         assert any(line == "spec.bs_threshold unset: on cpu with rollout.backend=tailtamer, SD at any batch size "
                            "(the bandit decides)"

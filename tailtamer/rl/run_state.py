@@ -28,6 +28,7 @@ from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
 from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG, VLLM_LOG
 from tailtamer.rl.sharding import SHARDINGS, Replicated
 from tailtamer.rollout.backend import EmbeddedBackend
+from tailtamer.rollout.draft_history import FILE as HISTORY_FILE, DraftHistory
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.speculative import Strategy
@@ -59,6 +60,7 @@ class RunState:
     skipped_prompts: int = 0
     history: list[dict] = field(default_factory=list)
     eval_at_start: float | None = None
+    draft_history: DraftHistory | None = None  # earlier responses the suffix index drafts from
 
 
 def prompt_limit(cfg: TrainConfig, context: int) -> int:
@@ -172,7 +174,19 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
     resumed_drafter = checkpoint / "drafter" if resume is not None and (checkpoint / "drafter").is_dir() else None
     vllm_log = (run_dir / VLLM_LOG, f"worker {workers.rank} ") if run_dir.is_dir() else (None, "")
-    rollout = make_backend(cfg, model, tokenizer, model_dir, resumed_drafter, resume is not None, vllm_log)
+    history = None
+    if cfg.rollout.backend == "tailtamer":  # each worker keeps its own, in the machine's memory
+        ram = available_memory("cpu")
+        history = cfg.spec.make_history(model_cfg.vocab_size, ram and ram // int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                                 workers.world)))
+    if history is not None and resume is not None:
+        if cfg.spec.history_on_resume == "fresh":
+            log("spec.history_on_resume=fresh: the suffix drafts start without the checkpoint's history")
+        elif (checkpoint / HISTORY_FILE).is_file():
+            history.load(checkpoint / HISTORY_FILE, workers.rank, workers.world)
+        else:
+            log(f"{checkpoint.name} holds no draft history: the suffix drafts start without one")
+    rollout = make_backend(cfg, model, tokenizer, model_dir, resumed_drafter, resume is not None, vllm_log, history)
     try:
         if cfg.spec.mode == "adaptive" and cfg.spec.bs_threshold is None:  # resolved by the device: say how
             threshold = rollout.bs_threshold
@@ -185,23 +199,24 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
             frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
             score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
             adaptive = AdaptiveDrafter(rollout.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
-                                       Strategy.parse(cfg.spec.strategy).depth, score, frozen)
+                                       Strategy.parse(cfg.spec.fixed).depth, score, frozen)
     except BaseException:
         rollout.close()  # a vLLM engine holds memory (and the drafter's export) until closed
         raise
     order = PromptOrder(len(train_rows), cfg.rollout.prompts_per_step, cfg.run.seed)
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, rollout, scorer, train_rows, eval_rows,
                     order, sharding, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
-                    saved_step=state["step"] if resume is not None else None)
+                    saved_step=state["step"] if resume is not None else None, draft_history=history)
 
 
 def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_drafter: Path | None, resumed: bool,
-                 vllm_log: tuple[Path | None, str] = (None, "")):
+                 vllm_log: tuple[Path | None, str] = (None, ""), history: DraftHistory | None = None):
     """The rollout backend of `cfg` (rollout.backend), rolling out `model` (the trainer's own
     module) with spec.drafter, or the drafter a resumed run saved (`resumed_drafter`); vLLM's
-    own log goes to `vllm_log` (a file and this worker's prefix for its lines)."""
+    own log goes to `vllm_log` (a file and this worker's prefix for its lines); our engine's
+    suffix drafts read `history`."""
     drafter = None
-    if cfg.spec.mode != "off" and cfg.spec.drafter != "ngram":
+    if cfg.spec.mode != "off" and cfg.spec.drafter not in ("ngram", "suffix"):
         drafter = load_drafter(resumed_drafter or cfg.spec.drafter, model)
     if cfg.rollout.backend == "vllm":
         from tailtamer.rollout.vllm_backend import VLLMBackend, bias_free
@@ -216,7 +231,7 @@ def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_dr
                 backend.close()
                 raise
         return backend
-    speculator = make_speculator(cfg.spec, model, drafter)
+    speculator = make_speculator(cfg.spec, model, drafter, history)
     return EmbeddedBackend(Engine(model, tokenizer, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                                   speculator=speculator))
 

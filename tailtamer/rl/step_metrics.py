@@ -52,12 +52,28 @@ def worker_share(clock: StepClock, rollout, completions: list, rewards, correct,
         "tokens": summary["tokens"], "sd_tokens": sum(v["tokens"] for v in summary["by_strategy"].values()),
         "compile_s": rollout.setup_s,
         "accept_lens": rollout.accept_lens, "tail_s": rollout.tail_seconds(),
+        "accepted_by_class": rollout.accepted_by_class, "request_steps_by_class": rollout.request_steps_by_class,
         "rollout_end": rollout_end, "idle_s": max(0.0, last_rollout_end - rollout_end),
         "train_s": clock.seconds("old_logprobs", "update"), "drafter": drafter,
         "preempt_s": max(0.0, spot_end - last_rollout_end) if drafter and world > 1 else None,
         "buffer_dropped": buffer_dropped, "reward_failures": reward_failures, "timeline": clock.spans,
         "samples": samples,
     }
+
+
+def accepted_by_source(parts: list[dict]) -> dict:
+    """Accepted drafts per SD request-step by source (the EAGLE drafter, the request's own
+    text, its siblings, the prompt's history), over all batch sizes and by batch-size class."""
+    steps: Counter = sum((Counter(p["request_steps_by_class"]) for p in parts), Counter())
+    by_class: dict[str, Counter] = {}
+    for p in parts:
+        for size, counts in p["accepted_by_class"].items():
+            by_class.setdefault(size, Counter()).update(counts)
+    total = sum(by_class.values(), Counter())
+    n = sum(steps.values())
+    return {"accepted_by_source": {s: c / n for s, c in sorted(total.items())} if n else {},
+            "accepted_by_batch_size": {size: {s: c / steps[size] for s, c in sorted(counts.items())}
+                                       for size, counts in by_class.items()}}
 
 
 def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter: bool) -> dict:
@@ -83,6 +99,7 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
         "step_s": max(p["timeline"][-1][2] for p in parts) - start,
         "sd_tokens_frac": sum(p["sd_tokens"] for p in parts) / max(1, sum(p["tokens"] for p in parts)),
         "accept_len_mean": mean_accept_len(sum((Counter(p["accept_lens"]) for p in parts), Counter())),
+        **accepted_by_source(parts),
         "idle_worker_s": sum(p["idle_s"] for p in parts),
         # null without a drafter (so no logger plots a flat zero for it), as the row's contract keeps them
         "drafter_loss": None,

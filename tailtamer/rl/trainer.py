@@ -47,6 +47,7 @@ from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_res
 from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, setup, training_prompts
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics, worker_share
 from tailtamer.rollout.backend import RolloutBackendError
+from tailtamer.rollout.draft_history import FILE as HISTORY_FILE, save_histories
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.vllm_backend import require_vllm
 from tailtamer.stopping import Interrupted, StopRequest
@@ -359,8 +360,13 @@ def _checkpoint(s: RunState) -> None:
     """Worker 0 writes it: every worker holds the same weights (checked each step). A write
     that fails (full disk, read-only directory) stops the run; the last good one stays."""
     optimizer_state = s.sharding.optimizer_state(s.optimizer)  # a collective when sharded
+    histories = s.workers.gather(s.draft_history.entries()) if s.draft_history is not None else None
     if s.workers.is_main:
-        extra = lambda tmp: s.drafter.save(tmp / "drafter")  # noqa: E731 (nothing without a trained drafter)
+        def extra(tmp: Path) -> None:
+            s.drafter.save(tmp / "drafter")  # nothing without a trained drafter
+            if histories is not None:
+                save_histories(tmp / HISTORY_FILE, histories, s.draft_history.vocab_size)
+
         try:
             evaluated = s.history[-1].get("eval_accuracy") if s.history else None  # of these weights, if evaluated
             save_checkpoint(s.run_dir, s.step, s.model, s.tokenizer, optimizer_state, s.scheduler,
@@ -530,7 +536,7 @@ def _summarize(s: RunState, world: int, seconds: float, finished: bool) -> dict:
     if s.history:
         plot_rl_curves(s.history, s.run_dir / "curves.png", s.eval_at_start)
         plot_worker_timeline(s.history[-1], s.run_dir / "timeline.png")
-        if s.drafter.frozen is not None:
+        if s.drafter.frozen is not None or any(set(r.get("accepted_by_source") or {}) - {"eagle"} for r in s.history):
             plot_accept_lengths(s.history, s.run_dir / "drafter.png")
     return summary
 

@@ -39,6 +39,7 @@ from tailtamer.rollout.sampling import SamplingParams, request_key, sample, targ
 from tailtamer.rollout.speculative import Strategy, accept
 from tailtamer.rollout.speculator import Speculator
 from tailtamer.rollout.stats import PHASES, RolloutStats
+from tailtamer.rollout.suffix_index import SOURCE_NAMES
 
 
 class NonFiniteLogits(TailtamerError):
@@ -112,12 +113,15 @@ class Outcome:
     order (checked finite) and the KV rows the forward made valid (`rows`; a request that
     stops after k of its tokens keeps min(k + 1, rows): what the forward consumed of its
     output); the arguments of each `Proposer.observe` call; for an SD step the tokens drafted
-    and, for a tree, each request's accepted nodes."""
+    and, for a tree, each request's accepted nodes and, where the tree says, the sources of
+    its accepted drafts and of every draft (`Tree.sources`)."""
     tokens: list[list[int]]
     rows: list[int]
     observed: list[tuple] = field(default_factory=list)
     drafted: list[int] | None = None
     paths: list[list[int] | None] | None = None
+    sources: list[list[int]] | None = None
+    drafted_sources: list[int] | None = None
 
 
 @dataclass
@@ -197,8 +201,8 @@ class Engine:
         spec = self.speculator
         if spec is not None:
             strategies = spec.tuner.strategies
-            verify = max(st.verify for st in strategies)
-            draft_rows = max((st.depth - 1) * st.topk for st in strategies)
+            verify = max(st.width for st in strategies)
+            draft_rows = max(((st.depth - 1) * st.topk for st in strategies if not st.model_free), default=0)
             spec.proposer.reserve(slots, longest + max(verify, draft_rows) + 1)
             longest += verify
         cache = self._cache_for(slots, longest)
@@ -265,7 +269,8 @@ class Engine:
             appended = len(r.output_ids) - before
             emitted += appended
             if out.drafted is not None:
-                stats.record_sd(appended, out.drafted[i])
+                stats.record_sd(appended, out.drafted[i], out.sources[i] if out.sources is not None else None,
+                                len(step.requests))
             if r.finish_reason:  # what the forward consumed of its output still counts (`keep_hidden`)
                 r.cached += min(appended + 1, rows)
                 continue
@@ -273,6 +278,8 @@ class Engine:
             if nodes is not None and nodes[:rows] != list(range(rows)):  # a tree's path: its rows to consecutive ones
                 moves.append((r.slot, [r.cached + j for j in nodes[:rows]], [r.cached + j for j in range(rows)]))
             r.cached += rows
+        if out.drafted is not None:
+            stats.record_drafted_sources(out.drafted_sources, out.drafted)
         PHASES.mark(BOOKKEEPING[step.kind])
         if moves:
             cache.move_rows(moves)
@@ -291,6 +298,8 @@ class Engine:
         if not finished:
             return running
         done += finished
+        if self.proposer is not None:
+            self.proposer.retire(finished)
         if keep_hidden is not None and self.proposer is not None and self.proposer.needs_hidden:
             for r in finished:
                 keep_hidden(r.prompt_ids + r.output_ids, len(r.prompt_ids), self.proposer.hidden_of(r.slot, r.cached))
@@ -450,7 +459,11 @@ class Engine:
         drafted = [tree.depth] * B if tree.chain else (tree.valid.sum(1) - 1).tolist()
         paths = None if tree.chain else path.tolist()
         accepted = [self._checked(toks[:n]) for toks, n in zip(tokens.tolist(), lengths)]
-        return Outcome(accepted, lengths, observed, drafted, paths)
+        sources = drafted_sources = None
+        if tree.sources is not None:
+            sources = [row[1:n] for row, n in zip(tree.sources.gather(1, path).tolist(), lengths)]
+            drafted_sources = torch.bincount(tree.sources[tree.valid], minlength=len(SOURCE_NAMES) + 1).tolist()
+        return Outcome(accepted, lengths, observed, drafted, paths, sources, drafted_sources)
 
     def _append(self, r: Request, token: int, params: SamplingParams) -> None:
         r.output_ids.append(token)

@@ -13,6 +13,7 @@ The engine calls, in this order:
   move_slot(src, dst, rows) when compaction moves a running request to a lower slot;
   hidden_of(slot, rows)     when a request finishes, if the caller keeps hidden states: the
                             final hidden states of its first `rows` positions, as observed;
+  retire(requests)          requests that have just finished (before their slots are reused);
   catch_up(running)         before the first SD step after plain steps or a prefill (timed
                             apart: the switch's cost, charged to no strategy);
   propose(running, starts, strategy) -> Tree
@@ -52,6 +53,9 @@ class Proposer:
 
     def hidden_of(self, slot: int, rows: int) -> torch.Tensor:
         raise NotImplementedError  # only a proposer that `needs_hidden` is asked
+
+    def retire(self, requests: list) -> None:
+        pass
 
     def catch_up(self, running: list) -> bool:
         return False

@@ -2,8 +2,8 @@
 
 One SD step for a batch of running requests, each with a pending token s (sampled, not yet
 in the target's KV cache):
-  1. a proposer (rollout/eagle.py, rollout/ngram.py) returns a tree of N nodes per request:
-     node 0 is s, the others are draft tokens with a parent each (`Tree`);
+  1. a proposer (rollout/eagle.py, rollout/suffix.py, rollout/fused.py) returns a tree of N
+     nodes per request: node 0 is s, the others are draft tokens with a parent each (`Tree`);
   2. the target runs once over the N nodes with the tree attention mask (rotary position =
      cache length + depth), giving its next-token distribution p at every node;
   3. `accept` applies the exact rule below to the whole batch at once; the engine commits the
@@ -53,43 +53,64 @@ class Strategy:
     below C (one confident request keeps the batch drafting), so D is the most it drafts.
     A chain then verifies the levels it drafted; a tree keeps its best N - 1 candidates (at
     most as many as were drafted). Which drafts are verified never changes what is accepted
-    from them (`accept`), so this is lossless for any C."""
+    from them (`accept`), so this is lossless for any C.
+
+    `sD_K_N`: the model-free drafter alone (rollout/suffix.py): at most N - 1 drafts from the
+    suffix index of the request's group and history, at most D deep (and no deeper than the
+    match allows), at most K children a node; with @C none whose estimated path probability
+    is below C. `D_K_N+sM`: the fused tree, the EAGLE tree D_K_N and up to M drafts of the
+    suffix index merged into it, verified in one forward (N + M tokens at most)."""
 
     depth: int
     topk: int
     verify: int
     confidence: float = 0.0  # 0: always D levels
+    suffix: int = 0  # fused: drafts of the suffix index added to the EAGLE tree
+    model_free: bool = False  # sD_K_N: drafted by the suffix index alone
 
     def __post_init__(self):
         if self.depth < 1 or self.topk < 1 or self.verify < 2:
             raise ConfigError(f"strategy {self.name}: need depth >= 1, topk >= 1 and tokens to verify >= 2")
         if self.depth > MAX_DEPTH:
             raise ConfigError(f"strategy {self.name}: depth at most {MAX_DEPTH} (drafts that deep are never accepted)")
-        if self.verify - 1 > self.candidates:
+        if not self.model_free and self.verify - 1 > self.candidates:
             raise ConfigError(f"strategy {self.name}: {self.verify - 1} draft tokens requested but depth "
                               f"{self.depth} x top-k {self.topk} yields only {self.candidates} candidates")
         if self.topk == 1 and self.verify != self.depth + 1:  # a chain drafts its depth, all verified
+            s = "s" if self.model_free else ""
             raise ConfigError(f"strategy {self.name}: a chain (top-k 1) verifies its {self.depth} drafts and the "
-                              f"pending token; write {self.depth}_1_{self.depth + 1}, or {self.verify - 1}_1_"
+                              f"pending token; write {s}{self.depth}_1_{self.depth + 1}, or {s}{self.verify - 1}_1_"
                               f"{self.verify} for {self.verify - 1} drafts")
         if not 0 <= self.confidence < 1:
             raise ConfigError(f"strategy {self.name}: the confidence after @ must be in (0, 1), a path probability")
+        if self.suffix < 0 or self.suffix > MAX_DEPTH or (self.suffix and self.model_free):
+            raise ConfigError(f"strategy {self.name}: +sM adds 1 to {MAX_DEPTH} suffix drafts to an EAGLE tree")
 
     @property
     def candidates(self) -> int:
         return self.topk + (self.depth - 1) * self.topk ** 2
 
     @property
+    def width(self) -> int:
+        """The most tokens a request's tree verifies (the pending one included)."""
+        return self.verify + self.suffix
+
+    @property
     def name(self) -> str:
-        return f"{self.depth}_{self.topk}_{self.verify}" + (f"@{self.confidence!r}" if self.confidence else "")
+        return (("s" if self.model_free else "") + f"{self.depth}_{self.topk}_{self.verify}"
+                + (f"@{self.confidence!r}" if self.confidence else "") + (f"+s{self.suffix}" if self.suffix else ""))
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
-        shape, at, floor = str(text).partition("@")
+        body, plus, extra = str(text).partition("+s")
+        model_free = body.startswith("s")
+        shape, at, floor = body[model_free:].partition("@")
         parts = shape.split("_")
-        if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts):
-            raise ConfigError(f"strategy {text!r} is not DEPTH_TOPK_VERIFY (e.g. 4_2_8) or DEPTH_TOPK_VERIFY@CONFIDENCE "
-                              f"(e.g. 12_1_13@0.3)")
+        if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts) or (
+                plus and not (extra.isascii() and extra.isdigit())):
+            raise ConfigError(f"strategy {text!r} is not DEPTH_TOPK_VERIFY (e.g. 4_2_8), DEPTH_TOPK_VERIFY@CONFIDENCE "
+                              f"(e.g. 12_1_13@0.3), sD_K_N (the suffix drafter alone, e.g. s8_2_9) or D_K_N+sM (M "
+                              f"suffix drafts fused into the EAGLE tree, e.g. 4_1_5+s8)")
         try:
             confidence = float(floor) if at else 0.0
         except ValueError:
@@ -97,7 +118,7 @@ class Strategy:
         if at and not 0 < confidence < 1:
             raise ConfigError(f"strategy {text!r}: the confidence after @ must be a number in (0, 1), a path "
                               f"probability")
-        return cls(*map(int, parts), confidence)
+        return cls(*map(int, parts), confidence, int(extra) if plus else 0, model_free)
 
 
 @dataclass
@@ -112,6 +133,7 @@ class Tree:
     valid: torch.Tensor  # (B, N) bool
     depth: int  # the deepest node's depth (at most)
     chain: bool = False  # node i is at depth i with parent i - 1, all valid (N = depth + 1): causal attention
+    sources: torch.Tensor | None = None  # (B, N) where each draft came from (suffix_index.SOURCE_NAMES); None: EAGLE
 
     def verify_inputs(self, starts: torch.Tensor):
         """(rotary positions, tree mask) for the verify forward; None, None for a chain, whose

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from tailtamer.config_fields import at_least, f
 from tailtamer.errors import ConfigError
 from tailtamer.model.drafter import load_drafter
+from tailtamer.rollout.draft_history import BYTES_PER_TOKEN, DraftHistory
 from tailtamer.rollout.eagle import EagleProposer
-from tailtamer.rollout.ngram import NgramProposer
+from tailtamer.rollout.fused import FusedProposer
 from tailtamer.rollout.proposer import Proposer
+from tailtamer.rollout.suffix import SuffixProposer
 from tailtamer.rollout.speculative import ACCEPTANCE_RULES, LOSSY_RULES, Strategy
 from tailtamer.rollout.tuner import BEGTuner, FixedTuner
 
@@ -18,6 +20,8 @@ from tailtamer.rollout.tuner import BEGTuner, FixedTuner
 # 8/5/3), from `tailtamer bench sd` on the built-in base model: 4_1_5 is the best cell from
 # batch 2 to 64, trees and deep chains pay most at batch 1 (README).
 DEFAULT_MAB_STRATEGIES = ("4_2_8", "7_1_8", "4_1_5", "2_2_5", "2_1_3", "1_2_3")
+# The model-free drafter's: a match drafts as long as it goes, so the trees are deeper.
+DEFAULT_SUFFIX_STRATEGIES = ("s16_2_17", "s16_1_17", "s8_2_9", "s8_1_9", "s4_2_5", "s4_1_5")
 DEFAULT_BUCKET_THRESHOLDS = (1, 3, 65)
 # spec.bs_threshold when unset, on a GPU: there a large batch's verify forward is compute-bound,
 # so SD pays only once few requests run (TLT switches SD on below 32). On a CPU the default is
@@ -28,17 +32,23 @@ GPU_BS_THRESHOLD = 64
 @dataclass(frozen=True)
 class SpecConfig:
     mode: str = f("off", "off, on (SD at every step, fixed strategy) or adaptive (SD in the long tail, tuned)")
-    strategy: str = f("4_2_8", "DEPTH_TOPK_VERIFY draft tree for mode=on and tuner=fixed; DEPTH_TOPK_VERIFY@C drafts "
-                               "only as deep as the drafter is confident (path probability C)")
-    drafter: str | None = f(None, "an EAGLE drafter directory, or ngram (model-free); in train, builtin (the "
-                                  "built-in base model's warm-up drafter)")
+    strategy: str | None = f(None, "the draft tree for mode=on and tuner=fixed: DEPTH_TOPK_VERIFY (EAGLE; @C drafts "
+                                   "only as deep as the drafter is confident, path probability C), sD_K_N (the suffix "
+                                   "drafter alone), D_K_N+sM (M suffix drafts fused into the EAGLE tree); unset: 4_2_8, "
+                                   "with drafter=suffix s8_2_9")
+    drafter: str | None = f(None, "an EAGLE drafter directory; suffix (model-free: the group's siblings, the request's "
+                                  "own text, earlier responses to the prompt); ngram (vLLM's prompt lookup, "
+                                  "rollout.backend=vllm only); in train, builtin (the built-in base model's warm-up "
+                                  "drafter)")
     acceptance: str = f("exact", "the acceptance rule; only the exact (lossless) one exists")
     bs_threshold: int | None = f(None, "adaptive: speculate once at most this many requests run (0 = never: the "
                                        "drafter is attached and trained, for measuring what it costs); unset: "
                                        f"{GPU_BS_THRESHOLD} on a GPU or with tuner=fixed, every batch size on a "
                                        "CPU (the bandit's 'no SD' arm decides)")
     tuner: str = f("beg", "adaptive: beg (the bucketed bandit of TLT §2.3, scoring arms by a confidence bound) or fixed")
-    strategies: tuple[str, ...] = f(DEFAULT_MAB_STRATEGIES, "beg: the arms (plus 'no SD' in every bucket)")
+    strategies: tuple[str, ...] | None = f(None, "beg: the arms (plus 'no SD' in every bucket); unset: "
+                                                  f"{', '.join(DEFAULT_MAB_STRATEGIES)}, with drafter=suffix "
+                                                  f"{', '.join(DEFAULT_SUFFIX_STRATEGIES)}")
     bucket_thresholds: tuple[int, ...] = f(DEFAULT_BUCKET_THRESHOLDS, "beg: one per tokens-to-verify group")
     epsilon: float = f(0.0, "beg: probability of a uniformly random arm (close to the paper's ε-greedy: 0.1 "
                             "with bonus 0)")
@@ -50,8 +60,15 @@ class SpecConfig:
     compile: bool = f(False, "EAGLE: draft chains (DEPTH_1_VERIFY) as one torch.compile graph per batch size "
                              "1/2/4/8 and depth, each compiled when first needed (seconds; cached on disk) and "
                              "charged to no step; eager elsewhere and if compiling fails")
+    history: int = f(8, "suffix drafts: earlier responses kept per prompt (by its tokens) to draft from in later "
+                        "steps, saved with the checkpoint; 0: none")
+    history_tokens: int = f(4_000_000, "suffix drafts: tokens the history keeps in all (4 bytes each); the prompts "
+                                       "answered longest ago go first")
+    history_on_resume: str = f("load", "load (the checkpoint's history; a bad one stops the resume) or fresh (start "
+                                       "with none)")
 
     def __post_init__(self):
+        suffix = self.drafter == "suffix"
         if self.mode not in ("off", "on", "adaptive"):
             raise ConfigError(f"spec.mode must be off, on or adaptive, got {self.mode!r}")
         if self.acceptance in LOSSY_RULES or self.acceptance not in ACCEPTANCE_RULES:
@@ -59,24 +76,56 @@ class SpecConfig:
                               f"losslessly ({', '.join(ACCEPTANCE_RULES)}); a relaxed rule would change "
                               f"what the policy samples")
         try:
-            Strategy.parse(self.strategy)
+            Strategy.parse(self.fixed)
         except ConfigError as e:
             raise ConfigError(f"spec.strategy: {e}") from None
         if self.mode != "off" and not self.drafter:
-            raise ConfigError(f"spec.mode {self.mode} needs a drafter (spec.drafter): an EAGLE drafter directory or 'ngram'")
+            raise ConfigError(f"spec.mode {self.mode} needs a drafter (spec.drafter): an EAGLE drafter directory or 'suffix'")
         if self.tuner not in ("beg", "fixed"):
             raise ConfigError(f"spec.tuner must be beg or fixed, got {self.tuner!r}")
         if self.bs_threshold is not None:
             at_least(self, "spec", 0, "bs_threshold")
-        if self.compile and self.drafter == "ngram":
-            raise ConfigError("spec.compile compiles an EAGLE drafter's draft chains; the ngram drafter has none")
+        if self.compile and self.drafter in ("suffix", "ngram"):
+            raise ConfigError(f"spec.compile compiles an EAGLE drafter's draft chains; the {self.drafter} drafter has none")
+        at_least(self, "spec", 0, "history")
+        at_least(self, "spec", 1, "history_tokens")
+        if self.history_on_resume not in ("load", "fresh"):
+            raise ConfigError(f"spec.history_on_resume must be load or fresh, got {self.history_on_resume!r}")
         self._bandit()  # its settings are checked in every mode: a wrong one is a mistake even where unused
-        if self.drafter == "ngram":  # it has no confidence to shape its drafts by: such an arm would be a twin
-            for field, names in (("spec.strategy", [self.strategy]), ("spec.strategies", self.strategies)):
-                shaped = [n for n in names if Strategy.parse(n).confidence]
-                if shaped:
-                    raise ConfigError(f"{field} {', '.join(shaped)}: the ngram drafter has no confidence to shape its "
-                                      f"depth by (@); @ arms need an EAGLE drafter")
+        if suffix:  # without an EAGLE drafter only the suffix index drafts
+            for field, names in (("spec.strategy", [self.fixed]), ("spec.strategies", self.arms)):
+                eagle = [n for n in names if not Strategy.parse(n).model_free]
+                if eagle:
+                    raise ConfigError(f"{field} {', '.join(eagle)}: the suffix drafter drafts sD_K_N arms (e.g. "
+                                      f"s8_2_9); D_K_N and D_K_N+sM arms need an EAGLE drafter")
+
+    @property
+    def fixed(self) -> str:
+        """spec.strategy, or its default for the drafter."""
+        return self.strategy or ("s8_2_9" if self.drafter == "suffix" else "4_2_8")
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        """spec.strategies, or the defaults for the drafter."""
+        if self.strategies is not None:
+            return self.strategies
+        return DEFAULT_SUFFIX_STRATEGIES if self.drafter == "suffix" else DEFAULT_MAB_STRATEGIES
+
+    def uses_suffix(self) -> bool:
+        """Whether an arm drafts from the suffix index (then the history is kept)."""
+        names = [self.fixed] if self.mode == "on" or self.tuner == "fixed" else self.arms
+        return any((s := Strategy.parse(n)).model_free or s.suffix for n in names)
+
+    def make_history(self, vocab_size: int, available: int | None) -> DraftHistory | None:
+        """The history the suffix index drafts from across rollouts, if an arm uses it; refused
+        if its cap would not fit in half the machine's `available` bytes (None: unknown)."""
+        if self.mode == "off" or not self.history or not self.uses_suffix():
+            return None
+        if available is not None and self.history_tokens * BYTES_PER_TOKEN > available // 2:
+            raise ConfigError(f"spec.history_tokens={self.history_tokens} would hold "
+                              f"{self.history_tokens * BYTES_PER_TOKEN / 2 ** 30:.1f} GiB of responses; this machine "
+                              f"has {available / 2 ** 30:.1f} GiB available: lower spec.history_tokens")
+        return DraftHistory(self.history, self.history_tokens, vocab_size)
 
     def threshold(self, device_type: str) -> int | None:
         """The long-tail switch for a target on `device_type` (None: every batch size). Unset, a
@@ -92,23 +141,23 @@ class SpecConfig:
         threshold = self.threshold(device_type) if self.mode == "adaptive" else None
         running = slots if threshold is None else min(slots, threshold)
         if self.mode == "on" or self.tuner == "fixed":
-            return running * Strategy.parse(self.strategy).verify
+            return running * Strategy.parse(self.fixed).width
         bandit, rows = self._bandit(), 0
         for i, group in enumerate(bandit.groups):
             low, high = bandit.bucket_sizes(i)
             if low <= running:
                 top = running if high is None else min(high, running)
-                rows = max(rows, top * max(s.verify for s in group))
+                rows = max(rows, top * max(s.width for s in group))
         return rows
 
     def make_tuner(self):
         if self.mode == "on" or self.tuner == "fixed":
-            return FixedTuner(Strategy.parse(self.strategy))
+            return FixedTuner(Strategy.parse(self.fixed))
         return self._bandit()
 
     def _bandit(self):
         try:
-            arms = [Strategy.parse(s) for s in self.strategies]
+            arms = [Strategy.parse(s) for s in self.arms]
         except ConfigError as e:
             raise ConfigError(f"spec.strategies: {e}") from None
         return BEGTuner(arms, list(self.bucket_thresholds), self.epsilon, self.window, self.seed, self.bonus)
@@ -133,13 +182,25 @@ class Speculator:
         return cls(proposer, FixedTuner(Strategy.parse(strategy) if isinstance(strategy, str) else strategy))
 
 
-def make_speculator(spec: SpecConfig, target, drafter=None) -> Speculator | None:
+def check_engine_drafter(spec: SpecConfig) -> None:
+    """Our engine's drafters: an EAGLE directory or suffix; ngram is vLLM's."""
+    if spec.mode != "off" and spec.drafter == "ngram":
+        raise ConfigError("spec.drafter=ngram is vLLM's prompt lookup (rollout.backend=vllm); tailtamer's engine "
+                          "drafts model-free with spec.drafter=suffix (siblings, the request's own text, earlier "
+                          "responses)")
+
+
+def make_speculator(spec: SpecConfig, target, drafter=None, history: DraftHistory | None = None) -> Speculator | None:
     """The engine's speculator for `spec`; None when it is off. `drafter`: the EAGLE drafter
-    already loaded (default: spec.drafter's)."""
+    already loaded (default: spec.drafter's); `history`: earlier responses for the suffix
+    index (`SpecConfig.make_history`: a training run's; one rollout has none)."""
     if spec.mode == "off":
         return None
-    if spec.drafter == "ngram":
-        proposer = NgramProposer()
+    check_engine_drafter(spec)
+    if spec.drafter == "suffix":
+        proposer = SuffixProposer(history)
     else:
         proposer = EagleProposer(drafter or load_drafter(spec.drafter, target), compiled=spec.compile)
+        if spec.uses_suffix():
+            proposer = FusedProposer(proposer, SuffixProposer(history))
     return Speculator(proposer, spec.make_tuner(), spec.threshold(target.device.type) if spec.mode == "adaptive" else None)

