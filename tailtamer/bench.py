@@ -203,14 +203,18 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     (a) plain decoding, (b) SD on every step with a fixed strategy, (c) adaptive, as the default
     config decodes on this device: plain while more than spec.bs_threshold requests run, then SD
     with the BEG-MAB tuner, (d) the same with the draft chains compiled (`spec.compile`; compile
-    time is not in its seconds), (e) adaptive with a fresh bandit every run. A training run keeps
-    its engine, and so its bandit, from step to step: (c) and (d) keep theirs across the runs,
-    after one untimed rollout of other prompts. Same seeds, so all emit the same tokens; runs are
+    time is not in its seconds), (e) adaptive with a fresh bandit every run, (f) adaptive with
+    the suffix index's arms beside EAGLE's (`FUSED_ARMS`: fused trees, one per bucket, drafting
+    from the siblings as they are written). A training run keeps its engine, and so its bandit,
+    from step to step: (c), (d) and (f) keep theirs across the runs, after one untimed rollout
+    of other prompts. Same seeds, so all emit the same tokens; runs are
     interleaved, in an order that rotates from run to run, and timed in one process."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.eagle import EagleProposer
-    from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig, Speculator
+    from tailtamer.rollout.fused import FusedProposer
+    from tailtamer.rollout.speculator import DEFAULT_MAB_STRATEGIES, FUSED_ARMS, GPU_BS_THRESHOLD, SpecConfig, Speculator
+    from tailtamer.rollout.suffix import SuffixProposer
     from tailtamer.tasks.arithmetic import ArithmeticTask, reward
 
     path = _default_model_dir(model_dir)
@@ -227,12 +231,16 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
         return Engine(model, tokenizer, config, speculator=Speculator(
             EagleProposer(drafter, compiled=compiled), adaptive.make_tuner(), threshold))
 
+    fused = SpecConfig(mode="adaptive", drafter="x", strategies=DEFAULT_MAB_STRATEGIES + FUSED_ARMS)
+
     kept = {  # engines kept across the runs
         "plain": Engine(model, tokenizer, config),
         "sd_fixed_" + fixed.fixed: Engine(model, tokenizer, config, speculator=Speculator(
             EagleProposer(drafter), fixed.make_tuner())),
         "adaptive": adaptive_engine(),
         "adaptive_compiled": adaptive_engine(compiled=True),
+        "adaptive_fused": Engine(model, tokenizer, config, speculator=Speculator(
+            FusedProposer(EagleProposer(drafter), SuffixProposer()), fused.make_tuner(), threshold)),
     }
     fresh = {"adaptive_fresh_bandit": adaptive_engine}  # a new engine every run
     others = [tokenizer.encode(p["prompt"]) for p in ArithmeticTask().dataset(prompts, seed=31338)]

@@ -1,10 +1,11 @@
 """`tailtamer bench profile`: where the time of a decode step and of an RL step goes.
 
 Decode: for batch sizes 1, 4 and 16, a plain step and SD steps (a depth-4 chain, eager and with
-its draft levels compiled, and a tree)
-of the built-in base model with its warm-up drafter, split by the engine's phase marks
-(rollout/stats.py `PHASES`): target forward, drafter extend, each draft level, verify,
-sampling, the acceptance rule, the commit, and host-side bookkeeping; per step, in ms.
+its draft levels compiled, a tree, and a chain fused with suffix drafts) of the built-in base
+model with its warm-up drafter, split by the engine's phase marks (rollout/stats.py `PHASES`):
+target forward, drafter extend, each draft level, the suffix index's update and drafts,
+verify, sampling, the acceptance rule, the commit, and host-side bookkeeping; per step, in
+ms; the suffix index's cost per token it indexed and per token it drafted, in µs.
 RL: a few steps of the default job with SD on, split by the step's own clock (rollout with
 its tail, rewards, old log-probs, update, and what the drafter adds: publish, the weight
 check and the spot trainer's preemption latency). Update: the policy update's tokens per
@@ -21,13 +22,22 @@ import torch
 from tailtamer.model.drafter import load_drafter
 from tailtamer.model.io import load_pretrained
 from tailtamer.rollout.eagle import EagleProposer
+from tailtamer.rollout.fused import FusedProposer
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.speculator import Speculator
 from tailtamer.rollout.stats import PHASES
+from tailtamer.rollout.suffix import SuffixProposer
 
 # arm -> (strategy, draft chain compiled): None is plain decoding
-ARMS = {"plain": None, "4_1_5": ("4_1_5", False), "4_1_5 compiled": ("4_1_5", True), "4_2_8": ("4_2_8", False)}
+ARMS = {"plain": None, "4_1_5": ("4_1_5", False), "4_1_5 compiled": ("4_1_5", True), "4_2_8": ("4_2_8", False),
+        "4_1_5+s8": ("4_1_5+s8", False)}
+
+
+def _speculator(drafter, strategy: str, compiled: bool) -> Speculator:
+    eagle = EagleProposer(drafter, compiled=compiled)
+    fused = "+s" in strategy
+    return Speculator.fixed(FusedProposer(eagle, SuffixProposer()) if fused else eagle, strategy)
 
 
 def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int = 96, repeats: int = 3) -> list[dict]:
@@ -43,22 +53,28 @@ def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int =
     rows = []
     for batch in batches:
         engines = {arm: Engine(model, tokenizer, EngineConfig(max_batch_size=batch), speculator=None if spec is None
-                               else Speculator.fixed(EagleProposer(drafter, compiled=spec[1]), spec[0]))
-                   for arm, spec in ARMS.items()}
+                               else _speculator(drafter, *spec)) for arm, spec in ARMS.items()}
         runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
         mine = prompts[: 2 * batch]
         setup_s = {arm: engine.generate(mine[:batch], params)[1].setup_s  # warm-up (and compiling)
                    for arm, engine in engines.items()}
         for _ in range(repeats):
             for arm, engine in engines.items():
+                suffix = getattr(engine.proposer, "suffix", None)
+                counted = dict(suffix.counts) if suffix is not None else None
                 PHASES.start()
                 _, stats = engine.generate(mine, params)
                 phases = PHASES.stop()
                 steps = stats.decode_steps
+                index_us = {}
+                if suffix is not None:  # the index's cost per token indexed and per token drafted
+                    for what, phase in (("indexed", "sd: suffix index update"), ("drafted", "sd: suffix drafts")):
+                        n = suffix.counts[what] - counted[what]
+                        index_us[what] = 1e6 * phases.get(phase, (0.0, 0))[0] / n if n else None
                 runs[arm].append({"step_ms": 1e3 * (stats.plain_seconds + stats.sd_seconds) / steps,
                                   "tokens_per_step": (stats.tokens - len(mine)) / steps,
                                   "phases": {k: 1e3 * v / steps for k, (v, _) in phases.items()},
-                                  "accept_len": stats.accept_len_mean})
+                                  "accept_len": stats.accept_len_mean, "index_us": index_us})
         plain_ms = statistics.median(r["step_ms"] for r in runs["plain"])
         for arm, results in runs.items():
             names = sorted({k for r in results for k in r["phases"]})
@@ -72,6 +88,8 @@ def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int =
                 # says whether the chains compiled (a failure runs them eager, timed as eager)
                 "notice": engines[arm].proposer.notice if engines[arm].proposer is not None else None,
                 "phases_ms": {k: round(statistics.median(r["phases"].get(k, 0.0) for r in results), 3) for k in names},
+                **({f"suffix_us_per_{k}_token": round(statistics.median(r["index_us"][k] for r in results), 2)
+                    for k in ("indexed", "drafted") if all(r["index_us"].get(k) for r in results)}),
             })
     return rows
 

@@ -8,8 +8,8 @@ from tailtamer.model.io import load_pretrained
 
 
 def test_bench_rollout_times_every_arm_in_every_run_on_plain_decodings_tokens(model_dir, tmp_path, monkeypatch):
-    """Every arm (SD always, the two adaptive engines kept across runs after their warm-up, and
-    the one with a fresh bandit per run) emits plain decoding's tokens and is timed once per run;
+    """Every arm (SD always, the three adaptive engines kept across runs after their warm-up, one
+    of them with the fused arms too, and the one with a fresh bandit per run) emits plain decoding's tokens and is timed once per run;
     on a CPU the adaptive switch is unset, and the kept bandits' summaries say they are summed."""
     monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)  # compiled chains run as eager code here
     model, _ = load_pretrained(model_dir)
@@ -17,10 +17,13 @@ def test_bench_rollout_times_every_arm_in_every_run_on_plain_decodings_tokens(mo
     report = bench_rollout(str(model_dir), prompts=4, n=4, repeats=3, max_new_tokens=12, plot=None,
                            drafter_dir=str(tmp_path / "drafter"))
     arms = report["arms"]
-    assert list(arms) == ["plain", "sd_fixed_4_2_8", "adaptive", "adaptive_compiled", "adaptive_fresh_bandit"]
+    assert list(arms) == ["plain", "sd_fixed_4_2_8", "adaptive", "adaptive_compiled", "adaptive_fused",
+                          "adaptive_fresh_bandit"]
     assert all(a["identical_to_plain"] == 1.0 and len(a["speedup_each_run"]) == 3 for a in arms.values())
     assert report["bs_threshold"] is None and report["tail_running"] == 64 and report["requests"] == 16
-    assert all("tuner_all_runs" in arms[k] for k in ("adaptive", "adaptive_compiled"))
+    assert all("tuner_all_runs" in arms[k] for k in ("adaptive", "adaptive_compiled", "adaptive_fused"))
+    fused_arms = {n for b in arms["adaptive_fused"]["tuner_all_runs"]["buckets"] for n in b["pulls"]}
+    assert {"4_1_5+s3", "2_1_3+s2", "1_1_2+s1"} <= fused_arms
     assert "tuner" in arms["adaptive_fresh_bandit"] and "tuner" not in arms["plain"]
     # the kept bandit pulled arms in the warm-up and all three runs: more than the fresh one's one run
     pulls = {k: sum(sum(b["pulls"].values()) for b in arms[k]["tuner_all_runs" if k == "adaptive" else "tuner"]["buckets"])

@@ -26,6 +26,7 @@ import torch
 from tailtamer.rollout.eagle import EagleProposer, chain_tree
 from tailtamer.rollout.proposer import Proposer
 from tailtamer.rollout.speculative import Strategy, Tree
+from tailtamer.rollout.stats import PHASES
 from tailtamer.rollout.suffix import SuffixProposer
 from tailtamer.rollout.suffix_index import EAGLE
 
@@ -80,7 +81,9 @@ class FusedProposer(Proposer):
         if not any(nodes):
             return tree
         self.eagle.chained = None  # its next chain reads its backlog from the features, not this step's path
-        return fuse(tree, nodes)
+        fused = fuse(tree, nodes)
+        PHASES.mark("sd: fuse the trees")
+        return fused
 
 
 def fuse(tree: Tree, nodes: list[list[tuple]]) -> Tree:

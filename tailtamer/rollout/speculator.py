@@ -22,6 +22,10 @@ from tailtamer.rollout.tuner import BEGTuner, FixedTuner
 DEFAULT_MAB_STRATEGIES = ("4_2_8", "7_1_8", "4_1_5", "2_2_5", "2_1_3", "1_2_3")
 # The model-free drafter's: a match drafts as long as it goes, so the trees are deeper.
 DEFAULT_SUFFIX_STRATEGIES = ("s16_2_17", "s16_1_17", "s8_2_9", "s8_1_9", "s4_2_5", "s4_1_5")
+# Fused arms to add to the defaults' buckets (as wide as their groups: 8, 5, 3 tokens), where
+# siblings and earlier responses repeat each other: not in the defaults, since on the default
+# job's arithmetic the siblings diverge fast and they do not pay (docs/speculative-decoding.md).
+FUSED_ARMS = ("4_1_5+s3", "2_1_3+s2", "1_1_2+s1")
 DEFAULT_BUCKET_THRESHOLDS = (1, 3, 65)
 # spec.bs_threshold when unset, on a GPU: there a large batch's verify forward is compute-bound,
 # so SD pays only once few requests run (TLT switches SD on below 32). On a CPU the default is

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from tailtamer.rollout.suffix_index import EAGLE, SOURCE_NAMES
+
+
+@lru_cache(maxsize=None)
+def size_class_name(running: int) -> str:
+    """The batch-size class of `running` requests: "1", "2-3", "4-7", ..."""
+    k = running.bit_length() - 1
+    return str(running) if running == 1 else f"{2 ** k}-{2 ** (k + 1) - 1}"
 
 
 def mean_accept_len(hist: dict[int, int]) -> float:
@@ -64,14 +73,14 @@ class RolloutStats:
         self.accepted_tokens += emitted - 1
         for d in range(1, emitted):
             self.depth_accepts[d] = self.depth_accepts.get(d, 0) + 1
-        k = running.bit_length() - 1
-        size = str(running) if running == 1 else f"{2 ** k}-{2 ** (k + 1) - 1}"
+        size = size_class_name(running)
         self.request_steps_by_class[size] = self.request_steps_by_class.get(size, 0) + 1
         by_class = self.accepted_by_class.setdefault(size, {})
-        for code in (sources[: emitted - 1] if sources is not None else [EAGLE] * (emitted - 1)):
-            name = SOURCE_NAMES[code]
-            self.accepted_by_source[name] = self.accepted_by_source.get(name, 0) + 1
-            by_class[name] = by_class.get(name, 0) + 1
+        counts = {SOURCE_NAMES[EAGLE]: emitted - 1} if sources is None else Counter(SOURCE_NAMES[c] for c in sources[: emitted - 1])
+        for name, n in counts.items():
+            if n:
+                self.accepted_by_source[name] = self.accepted_by_source.get(name, 0) + n
+                by_class[name] = by_class.get(name, 0) + n
 
     def record_drafted_sources(self, counts: list[int] | None, drafted: list[int]) -> None:
         """A step's drafts by source code (None: all `drafted` the EAGLE drafter's)."""

@@ -38,6 +38,7 @@ class SuffixProposer(Proposer):
         self.history = history
         self.groups: dict[int, list] = {}  # prompt index -> [index or None, members [request, tokens indexed, text]]
         self.texts: dict[tuple[int, int], int] = {}  # (prompt index, sample index) -> its text in the index
+        self.counts = {"indexed": 0, "drafted": 0}  # tokens, for the cost per token (`bench profile`)
 
     def reserve(self, slots: int, max_len: int) -> None:
         self.groups, self.texts = {}, {}
@@ -61,13 +62,16 @@ class SuffixProposer(Proposer):
                 prompt = group[1][0][0].prompt_ids
                 for response in self.history.responses(prompt) if self.history is not None else ():
                     group[0].add_text(prompt + response, history=True)
+                    self.counts["indexed"] += len(prompt) + len(response)
             index = group[0]
             for m in group[1]:
                 r, done, text = m
                 if text < 0:
                     m[2] = self.texts[r.prompt_index, r.sample_index] = index.add_text(r.prompt_ids + r.output_ids)
+                    self.counts["indexed"] += len(r.prompt_ids) + len(r.output_ids)
                 elif len(r.output_ids) > done:
                     index.extend(text, r.output_ids[done:])
+                    self.counts["indexed"] += len(r.output_ids) - done
                 m[1] = len(r.output_ids)
 
     def drafts(self, running: list, depth: int, size: int, topk: int, floor: float) -> list[list[tuple]]:
@@ -76,6 +80,7 @@ class SuffixProposer(Proposer):
         PHASES.mark("sd: suffix index update")
         out = [self.groups[r.prompt_index][0].draft(self.texts[r.prompt_index, r.sample_index], depth, size, topk,
                                                     ALPHA, floor, MIN_MATCH) for r in running]
+        self.counts["drafted"] += sum(map(len, out))
         PHASES.mark("sd: suffix drafts")
         return out
 
