@@ -174,26 +174,36 @@ def load_pretrained(model_dir: str | Path, dtype: str | torch.dtype = "float32",
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
     model_dir, dtype = Path(model_dir), parse_dtype(dtype)
     cfg, generation = read_configs(model_dir)
-    raw = {from_hf_key(k): v for k, v in read_safetensors(model_dir).items()}
+    model = model_from_hf_state(cfg, read_safetensors(model_dir), dtype, device, model_dir / "model.safetensors",
+                                model_dir / "config.json")
+    model.generation_config = generation
+    return model
+
+
+def model_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device,
+                        source: str | Path, config_source: str | Path) -> Transformer:
+    """Our Transformer of `cfg` holding a copy of a transformers state dict (its key names),
+    checked: its layers, names, shapes and values; `source` and `config_source` name the
+    weights and the config in errors."""
+    raw = {from_hf_key(k): v for k, v in state.items()}
     layers = {int(k.split(".")[1]) for k in raw if k.startswith("layers.") and k.split(".")[1].isdigit()}
     if len(layers) != cfg.num_hidden_layers:  # before building a model of the config's size
-        raise CheckpointError(f"{model_dir / 'config.json'}: num_hidden_layers is {cfg.num_hidden_layers} but "
-                              f"model.safetensors holds {len(layers)} layer(s)")
+        raise CheckpointError(f"{config_source}: num_hidden_layers is {cfg.num_hidden_layers} but {source} holds "
+                              f"{len(layers)} layer(s)")
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = split_fused(model.state_dict(), cfg)
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         raw.pop("lm_head.weight", None)
-    check_state_dict(expected, raw, f"{model_dir / 'model.safetensors'}")
-    check_finite(raw, f"{model_dir / 'model.safetensors'}")
+    check_state_dict(expected, raw, f"{source}")
+    check_finite(raw, f"{source}")
     # in the final dtype before loading, so that each weight is rounded once (a float64
     # checkpoint loaded as float64 stays exact)
     model = model.to_empty(device=device).to(dtype)
     model.load_state_dict(join_fused(raw, cfg), strict=False, assign=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.generation_config = generation
     return model.eval()
 
 

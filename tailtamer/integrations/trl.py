@@ -1,0 +1,279 @@
+"""TLT inside TRL: a `rollout_func` for `trl.GRPOTrainer` that rolls out with tailtamer's engine.
+
+    from tailtamer.integrations.trl import TLTRollout
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+                          rollout_func=TLTRollout(spec="adaptive", drafter="DRAFTER_DIR"))
+
+TRL calls it in `_generate` with the process's own prompt rows, each prompt repeated
+`num_generations` times in a row, raw (chat messages kept), and takes one completion per row
+with `prompt_ids`, `completion_ids` and `logprobs`; other keys go to the reward functions.
+Everything else stays TRL's: the trainer, its loss, rewards, logging and checkpoints.
+
+What it does per call: copies the trainer's current weights into the engine's model (built
+once, with the engine, the drafter and the bandit) and proves the copy is current (both
+models' logits on a probe input agree); renders the prompts as TRL does (its chat template and
+kwargs); rolls the siblings out as one group each (one shared prefill, drafts from each other
+with the suffix drafter), sampling as TRL's generation would (temperature, top-k, top-p,
+`max_completion_length`, TRL's end-of-sequence ids; `generation_kwargs={"do_sample": False}`
+for greedy), seeded by (args.seed, global step, process) so a run repeats; returns each sampled
+token's log-probability under the distribution it was drawn from (one forward over the
+rollout, as TRL's own recomputation; SD changes neither tokens nor log-probabilities); and
+appends TLT's figures to the trainer's metrics (`tlt/...`), which TRL logs wherever it logs.
+
+The adaptive drafter, with an EAGLE drafter and several processes (accelerate or torchrun):
+each process keeps the hidden states its own rollout computed; a process whose share is done
+trains the drafter on them until the slowest one finishes (checked before every drafter step's
+forward and backward: the spot trainer, `drafter/adaptive.py`), and the processes' drafters are
+then averaged, weighted by the steps each took, and checked identical before the call returns.
+With one process there is no idle time to train in, and the drafter stays as loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from tailtamer.dist import Workers
+from tailtamer.drafter.adaptive import AdaptiveDrafter
+from tailtamer.drafter.spot import SpotConfig
+from tailtamer.errors import ConfigError, TailtamerError
+from tailtamer.model.config import ARCHITECTURES, ModelConfig
+from tailtamer.model.drafter import load_drafter, weights_checksum
+from tailtamer.model.io import from_hf_key, model_from_hf_state
+from tailtamer.model.transformer import join_fused
+from tailtamer.rollout.engine import Engine, EngineConfig
+from tailtamer.rollout.sampling import SamplingParams, target_probs
+from tailtamer.rollout.speculative import Strategy
+from tailtamer.rollout.speculator import SpecConfig, make_speculator
+
+PROBE = (1, 2, 3, 4)  # token ids of the probe input that proves the engine's weights current
+PROBE_TOL = 1e-4  # the largest difference of the two models' probe logits, relative to their scale
+LOGPROB_ROWS = 32  # rows of one log-probability forward
+
+
+class StalePolicy(TailtamerError):
+    """The engine's model is not the trainer's current policy."""
+
+
+class TLTRollout:
+    """A `rollout_func` for TRL's GRPOTrainer. `spec`: off, on or adaptive (tailtamer's
+    spec.mode); `drafter`: an EAGLE drafter directory for the trainer's model, `suffix` (the
+    model-free drafter over each prompt's siblings) or None (with spec off); `strategy`,
+    `strategies`, `bs_threshold`: as spec.strategy, spec.strategies, spec.bs_threshold;
+    `max_batch_size`: requests decoded together; `spot`: the drafter's training on idle
+    processes (tailtamer's spot section: `SpotConfig(train=False)` keeps it frozen)."""
+
+    def __init__(self, spec: str = "adaptive", drafter: str | None = "suffix", strategy: str | None = None,
+                 strategies: tuple[str, ...] | None = None, bs_threshold: int | None = None,
+                 max_batch_size: int = 512, backend: str = "tailtamer", spot: SpotConfig = SpotConfig()):
+        if backend != "tailtamer":
+            raise ConfigError(f"TLTRollout backend={backend!r}: only tailtamer's engine runs inside TRL for now; with "
+                              f"vLLM use TRL's own use_vllm=True (without TLTRollout)")
+        if drafter == "builtin":
+            raise ConfigError("TLTRollout drafter='builtin' is the built-in base model's drafter, not one for a TRL "
+                              "model: give a drafter directory (tailtamer drafter train --model DIR), 'suffix' or None")
+        self.spec = SpecConfig(mode=spec, drafter=drafter if spec != "off" else None, strategy=strategy,
+                               strategies=tuple(strategies) if strategies is not None else None,
+                               bs_threshold=bs_threshold)
+        self.max_batch_size, self.spot = max_batch_size, spot
+        self.engine: Engine | None = None
+        self.adaptive: AdaptiveDrafter | None = None
+        self.workers: Workers | None = None
+        self.calls = 0
+
+    # --- the call TRL makes -------------------------------------------------------------------
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        if self.engine is None:
+            self.engine = self._build(policy, trainer)
+        self.publish(policy)
+        prompt_ids = self._tokenize(prompts, trainer)
+        params = self._params(trainer, len(prompt_ids))
+        groups = _group_rows(prompt_ids)
+        size = len(prompt_ids) // len(groups)
+        unique = [prompt_ids[g[0]] for g in groups] if all(len(g) == size for g in groups) else prompt_ids
+        params = replace(params, n=len(prompt_ids) // len(unique))
+        t0 = time.perf_counter()
+        keep = self.adaptive.collector(self.calls) if self.adaptive is not None else None
+        completions, stats = self.engine.generate(unique, params, keep_hidden=keep)
+        rollout_s = time.perf_counter() - t0
+        spot = self._train_drafter() if self.adaptive is not None else {}
+        completion_ids = [c.token_ids for c in completions]
+        logprobs = self.logprobs(prompt_ids, completion_ids, params)
+        self._log(trainer, stats, rollout_s, spot)
+        self.calls += 1
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    # --- set-up, once ------------------------------------------------------------------------------
+
+    def _build(self, policy, trainer) -> Engine:
+        args = trainer.args
+        if getattr(args, "use_vllm", False):
+            raise ConfigError("TLTRollout with GRPOConfig(use_vllm=True): TLTRollout rolls out with tailtamer's engine; "
+                              "set use_vllm=False, or drop TLTRollout to use TRL's vLLM generation")
+        if hasattr(policy, "peft_config"):
+            raise ConfigError("TLTRollout: a PEFT model is not supported yet (merge its adapters into the model "
+                              "first, or drop TLTRollout)")
+        if getattr(args, "repetition_penalty", 1.0) != 1.0:
+            raise ConfigError(f"TLTRollout: repetition_penalty={args.repetition_penalty} would change the policy's "
+                              f"distribution, which speculative decoding keeps exactly; use 1.0")
+        if getattr(args, "min_p", None):
+            raise ConfigError(f"TLTRollout: min_p={args.min_p} is not supported by tailtamer's sampler; use top_p or "
+                              f"top_k")
+        extra = {k: v for k, v in (getattr(trainer, "generation_kwargs", None) or {}).items()
+                 if k not in TRL_GENERATION_KEYS}
+        if extra:
+            raise ConfigError(f"TLTRollout: generation_kwargs {sorted(extra)} are not supported; tailtamer samples "
+                              f"with temperature, top_k, top_p and do_sample only")
+        raw = policy.config.to_dict()
+        arch = (raw.get("architectures") or [type(policy).__name__])[0]
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"TLTRollout: {arch} is not supported; tailtamer's engine runs {', '.join(sorted(ARCHITECTURES))}")
+        cfg = ModelConfig.from_hf({**raw, "architectures": [arch]}, source=f"the trainer's model ({arch})")
+        cfg = cfg.replace(eos_token_id=list(trainer.eos_token_ids) or None)
+        weight = next(policy.parameters())
+        model = model_from_hf_state(cfg, policy.state_dict(), torch.float32 if weight.dtype != torch.float64 else
+                                    torch.float64, weight.device, "the trainer's model", "its config")
+        drafter = None
+        if self.spec.mode != "off" and self.spec.drafter != "suffix":
+            drafter = load_drafter(self.spec.drafter, model)
+        speculator = make_speculator(self.spec, model, drafter)
+        if drafter is not None and self.spot.train and trainer.accelerator.num_processes > 1:
+            self.workers = _workers(trainer.accelerator.device)
+            score = SamplingParams(temperature=args.temperature or 1.0, top_p=args.top_p)
+            self.adaptive = AdaptiveDrafter(drafter, replace(self.spot, compare_frozen=False), self.workers,
+                                            int(args.seed) * 1009 + self.workers.rank, Strategy.parse(self.spec.fixed).depth,
+                                            score)
+        return Engine(model, config=EngineConfig(max_batch_size=self.max_batch_size),
+                      eos_ids=tuple(trainer.eos_token_ids), speculator=speculator)
+
+    # --- per call -----------------------------------------------------------------------------------
+
+    def publish(self, policy) -> None:
+        """The trainer's current weights into the engine's model, then the probe: both models'
+        logits on the same input must agree (a stale or partial copy does not)."""
+        model = self.engine.model
+        state = join_fused({from_hf_key(k): v for k, v in policy.state_dict().items()}, model.config)
+        params = dict(model.named_parameters())  # a tied LM head is the embedding's parameter
+        with torch.no_grad():
+            for name, value in state.items():
+                if name in params:
+                    params[name].copy_(value)
+        self.check(policy)
+
+    def check(self, policy) -> None:
+        model = self.engine.model
+        ids = torch.tensor([PROBE], device=next(model.parameters()).device)
+        with torch.no_grad():
+            theirs = policy(input_ids=ids.to(next(policy.parameters()).device)).logits.float().cpu()
+            ours = model(ids)[0].float().cpu()
+        scale = theirs.abs().max().clamp(min=1e-6)
+        diff = float((theirs - ours).abs().max() / scale)
+        if not diff <= PROBE_TOL:
+            raise StalePolicy(f"TLTRollout: the engine's policy is stale: its logits on the probe input differ from the "
+                              f"trainer's model by {diff:.2e} (relative; at most {PROBE_TOL:g}), call {self.calls + 1}")
+
+    def _train_drafter(self) -> dict:
+        """The spot trainer in this call's idle time, then the drafters averaged and checked
+        identical on every process."""
+        w, call = self.workers, self.calls
+        done = time.time()
+        w.finish_rollout(call)
+        report = self.adaptive.train_while_idle(lambda: w.rollout_over(call))
+        last = w.wait_rollout(call)
+        self.adaptive.publish(report["steps"])()
+        sums = w.gather(weights_checksum(self.adaptive.drafter))
+        if len(set(sums)) != 1:
+            raise StalePolicy(f"TLTRollout: the processes' drafters differ after the average (checksums "
+                              f"{', '.join(sums)}), call {call + 1}")
+        return {"tlt/drafter_steps": report["steps"], "tlt/drafter_loss": report["loss"],
+                "tlt/idle_s": max(0.0, last - done)}
+
+    def _tokenize(self, prompts: list, trainer) -> list[list[int]]:
+        """As TRL's `_tokenize_prompts` renders text prompts and chat messages."""
+        if prompts and isinstance(prompts[0], list):  # conversational: lists of {"role", "content"}
+            out = trainer.processing_class.apply_chat_template(
+                conversation=prompts, tools=getattr(trainer, "tools", None) or None,
+                chat_template=getattr(trainer, "chat_template", None), add_generation_prompt=True, tokenize=True,
+                return_dict=True, **(getattr(trainer, "chat_template_kwargs", None) or {}))
+            return [list(map(int, ids)) for ids in out["input_ids"]]
+        return [list(map(int, ids)) for ids in trainer.processing_class(text=prompts)["input_ids"]]
+
+    def _params(self, trainer, rows: int) -> SamplingParams:
+        args = trainer.args
+        kwargs = getattr(trainer, "generation_kwargs", None) or {}
+        greedy = kwargs.get("do_sample") is False or args.temperature == 0
+        step = trainer.state.global_step
+        seed = (int(args.seed) * 1_000_003 + step * 1009 + trainer.accelerator.process_index * 7919 + self.calls) % 2 ** 62
+        return SamplingParams(temperature=0.0 if greedy else kwargs.get("temperature", args.temperature),
+                              top_k=int(kwargs.get("top_k", args.top_k) or 0),
+                              top_p=float(kwargs.get("top_p", args.top_p) or 1.0),
+                              max_new_tokens=int(kwargs.get("max_new_tokens", trainer.max_completion_length)),
+                              seed=seed)
+
+    def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                 params: SamplingParams) -> list[list[float]]:
+        """Each completion token's log-probability under the distribution it was sampled from
+        (temperature, top-k, top-p applied; greedy: the temperature-1 distribution), from
+        forwards over prompt + completion, rows right-padded (causal: padding after a row's end
+        changes none of its logits), LOGPROB_ROWS rows at a time."""
+        model = self.engine.model
+        device = next(model.parameters()).device
+        processed = replace(params, temperature=params.temperature or 1.0)
+        out = []
+        for lo in range(0, len(prompt_ids), LOGPROB_ROWS):
+            rows = [p + c for p, c in zip(prompt_ids[lo: lo + LOGPROB_ROWS], completion_ids[lo: lo + LOGPROB_ROWS])]
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
+            with torch.no_grad():
+                logits = model(ids)[0]
+            for row, (p, c) in enumerate(zip(prompt_ids[lo: lo + LOGPROB_ROWS], completion_ids[lo: lo + LOGPROB_ROWS])):
+                if not c:
+                    out.append([])
+                    continue
+                probs = target_probs(logits[row, len(p) - 1: len(p) + len(c) - 1], processed)
+                out.append(probs.gather(1, torch.tensor(c, device=device)[:, None]).log().squeeze(1).tolist())
+        return out
+
+    def _log(self, trainer, stats, rollout_s: float, spot: dict) -> None:
+        mode = "train" if trainer.model.training else "eval"
+        summary = stats.summary()
+        sd_tokens = sum(v["tokens"] for v in summary["by_strategy"].values())
+        metrics = {"tlt/rollout_s": rollout_s, "tlt/tail_s": stats.tail_seconds(),
+                   "tlt/accept_len": summary["accept_len_mean"],
+                   "tlt/sd_tokens_frac": sd_tokens / max(1, summary["tokens"])}
+        steps = sum(stats.accept_lens.values())
+        for source, n in stats.accepted_by_source.items():
+            metrics[f"tlt/accepted_from_{source}"] = n / max(1, steps)
+        for key, value in {**metrics, **spot}.items():
+            if value is not None:
+                trainer._metrics[mode][key].append(value)
+
+
+# generation_kwargs keys TRL sets itself or that tailtamer honours
+TRL_GENERATION_KEYS = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature",
+                       "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation"}
+
+
+def _workers(device: torch.device) -> Workers:
+    """This process's place among the trainer's processes (accelerate's process group), with a
+    store of its own under the group's for the spot trainer's coordination."""
+    import torch.distributed as dist
+
+    store = dist.PrefixStore("tailtamer", dist.distributed_c10d._get_default_store())
+    return Workers(dist.get_rank(), dist.get_world_size(), store, device)
+
+
+def _group_rows(prompt_ids: list[list[int]]) -> list[list[int]]:
+    """Runs of equal consecutive rows (TRL repeats each prompt num_generations times in a row)."""
+    groups: list[list[int]] = []
+    for i, ids in enumerate(prompt_ids):
+        if groups and prompt_ids[groups[-1][0]] == ids:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+

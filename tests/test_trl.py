@@ -1,0 +1,171 @@
+"""TLTRollout inside TRL's GRPOTrainer (TRL is an optional extra: `pip install tailtamer[trl]`)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from tailtamer.errors import ConfigError  # noqa: E402
+from tailtamer.integrations.trl import StalePolicy, TLTRollout  # noqa: E402
+
+PROMPTS = ["12+3=?\n", "7-2=?\n", "4*5=?\n", "9+9=?\n"]
+
+
+def _trainer(model_dir, tmp_path, rollout=None, steps=2, generations=4, **config):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    settings = dict(output_dir=str(tmp_path / "trl"), max_steps=steps, learning_rate=1e-3,
+                    per_device_train_batch_size=len(PROMPTS) * generations // 2, num_generations=generations,
+                    max_completion_length=12, temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no",
+                    report_to="none", use_cpu=True, seed=3, bf16=False, fp16=False, shuffle_dataset=False,
+                    dataloader_num_workers=0,
+                    **{k: False for k in ("gradient_checkpointing", "activation_checkpointing") if k in names})
+    settings.update(config)
+    seen = []
+
+    def reward(completions, **_):
+        seen.append(list(completions))
+        return [float(len(c) % 2) for c in completions]
+
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=trl.GRPOConfig(**settings),
+                              train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS * 4]),
+                              processing_class=tokenizer, rollout_func=rollout)
+    return trainer, seen
+
+
+def _rollout_once(trainer, rollout):
+    """One call as TRL's _generate makes it: the process's rows, each prompt num_generations times."""
+    rows = [p for p in PROMPTS[:2] for _ in range(trainer.num_generations)]
+    return rows, rollout(rows, trainer)
+
+
+def test_grpo_trainer_runs_with_tlt_rollout_and_logs_its_figures(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = TLTRollout(spec="on", drafter="suffix", strategy="s4_2_5")
+    trainer, seen = _trainer(model_dir, tmp_path, rollout)
+    trainer.train()
+    assert rollout.calls == 2 and len(seen) == 2 and all(len(s) == 8 for s in seen)
+    logged = [row for row in trainer.state.log_history if "tlt/accept_len" in row]
+    assert len(logged) == 2 and all(row["tlt/accept_len"] >= 1.0 and "tlt/sd_tokens_frac" in row for row in logged)
+
+
+def test_greedy_completions_are_trls_own_and_logprobs_its_recomputation(model_dir, tmp_path, monkeypatch):
+    """Greedy (do_sample False): the same tokens as TRL's transformers generation, SD on or off;
+    the log-probabilities as TRL recomputes them (log-softmax of the logits / temperature)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    greedy = {"generation_kwargs": {"do_sample": False}}
+    plain_trainer, _ = _trainer(model_dir, tmp_path, None, **greedy)
+    rows = [p for p in PROMPTS[:2] for _ in range(plain_trainer.num_generations)]
+    prompt_ids, _, _ = plain_trainer._tokenize_prompts(rows)
+    theirs, _ = plain_trainer._generate_single_turn(prompt_ids, None, {}, plain_trainer.num_generations)
+    for rollout in (TLTRollout(spec="off", drafter=None), TLTRollout(spec="on", drafter="suffix", strategy="s4_2_5")):
+        trainer, _ = _trainer(model_dir, tmp_path, rollout, **greedy)
+        out = rollout(rows, trainer)
+        assert out["prompt_ids"] == [list(p) for p in prompt_ids]
+        assert out["completion_ids"] == theirs
+        model = trainer.model
+        for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+            with torch.no_grad():
+                logits = model(torch.tensor([p + c])).logits[0, len(p) - 1: -1]
+            expected = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(c)[:, None]).squeeze(1)
+            assert torch.allclose(torch.tensor(lp, dtype=torch.float64), expected, atol=1e-4)
+
+
+def test_sd_on_and_off_give_the_same_seeded_samples(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    outs = []
+    for rollout in (TLTRollout(spec="off", drafter=None), TLTRollout(spec="on", drafter="suffix", strategy="s4_2_5"),
+                    TLTRollout(spec="adaptive", drafter="suffix")):
+        trainer, _ = _trainer(model_dir, tmp_path, rollout)
+        outs.append(_rollout_once(trainer, rollout)[1])
+    assert outs[0]["completion_ids"] == outs[1]["completion_ids"] == outs[2]["completion_ids"]
+    for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+    assert len({tuple(c) for c in outs[0]["completion_ids"]}) > 1  # sampled, not all alike
+
+
+def test_the_trainers_updates_reach_the_engine_and_a_stale_copy_is_caught(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = TLTRollout(spec="off", drafter=None)
+    trainer, _ = _trainer(model_dir, tmp_path, rollout)
+    _rollout_once(trainer, rollout)
+    with torch.no_grad():
+        trainer.model.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # the trainer's update
+    _rollout_once(trainer, rollout)  # published: the probe agrees
+    with torch.no_grad():
+        trainer.model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    monkeypatch.setattr(TLTRollout, "publish", lambda self, policy: self.check(policy))  # a copy that never happens
+    with pytest.raises(StalePolicy, match="the engine's policy is stale: its logits on the probe input differ"):
+        _rollout_once(trainer, rollout)
+
+
+@pytest.mark.parametrize("kwargs,config,message", [
+    ({"backend": "vllm"}, {}, "only tailtamer's engine runs inside TRL"),
+    ({"drafter": "builtin"}, {}, "drafter='builtin' is the built-in base model's drafter"),
+    ({"spec": "on", "drafter": None}, {}, "needs a drafter"),
+    ({}, {"repetition_penalty": 1.2}, "repetition_penalty=1.2 would change the policy's distribution"),
+    ({}, {"min_p": 0.1}, "min_p=0.1 is not supported"),
+    ({}, {"generation_kwargs": {"no_repeat_ngram_size": 3}}, "generation_kwargs \\['no_repeat_ngram_size'\\]"),
+    ({"spec": "on", "drafter": "/no/such/drafter"}, {}, "drafter directory not found"),
+])
+def test_bad_settings_are_one_line(model_dir, tmp_path, monkeypatch, kwargs, config, message):
+    from tailtamer.errors import TailtamerError
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    with pytest.raises(TailtamerError) as e:
+        rollout = TLTRollout(**kwargs)
+        trainer, _ = _trainer(model_dir, tmp_path, rollout, **config)
+        _rollout_once(trainer, rollout)
+    assert e.match(message) and "\n" not in str(e.value)
+    assert isinstance(e.value, (ConfigError, TailtamerError))
+
+
+def test_a_prompt_longer_than_the_context_is_one_line(model_dir, tmp_path, monkeypatch):
+    from tailtamer.errors import DataError
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = TLTRollout(spec="off", drafter=None)
+    trainer, _ = _trainer(model_dir, tmp_path, rollout)
+    with pytest.raises(DataError, match="context holds"):
+        rollout(["x" * 5000] * trainer.num_generations, trainer)
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_drafter_on_the_idle_one_and_end_identical(model_dir, tmp_path):
+    """torchrun, 2 processes on gloo: process 1's rollouts end later, so process 0 trains the
+    EAGLE drafter meanwhile; after every call both hold the same averaged drafter."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tailtamer.model.drafter import init_drafter, load_drafter, save_drafter, weights_checksum
+    from tailtamer.model.io import load_model
+
+    target = load_model(model_dir)
+    save_drafter(init_drafter(target, std=0.2), tmp_path / "drafter")
+    initial = weights_checksum(load_drafter(tmp_path / "drafter", target))
+    out = tmp_path / "report.json"
+    script = Path(__file__).parent / "trl_two_processes.py"
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
+    from tailtamer.dist import _free_port
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_free_port()), str(script), str(model_dir), str(tmp_path / "drafter"), str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    assert reports[0]["checksum"] == reports[1]["checksum"] != initial  # trained, then the same on both
+    assert reports[0]["calls"] == reports[1]["calls"] == 2
+    steps = [sum(r["tlt/drafter_steps"] for r in rep["rows"]) for rep in reports]
+    assert steps[0] > 0  # the idle process trained
+    assert all(r["tlt/idle_s"] >= 0 for rep in reports for r in rep["rows"])
