@@ -80,7 +80,7 @@ LAYERS = [
     {"rollout"},
     {"drafter", "memory", "sft"},
     {"dist"},
-    {"rl", "config"},
+    {"rl", "config", "integrations"},  # integrations: trainers of other projects driving ours
     {"demo", "bench", "bench_profile", "bench_train", "cli", "__main__"},  # commands
 ]
 

@@ -169,3 +169,40 @@ def test_two_processes_train_the_drafter_on_the_idle_one_and_end_identical(model
     steps = [sum(r["tlt/drafter_steps"] for r in rep["rows"]) for rep in reports]
     assert steps[0] > 0  # the idle process trained
     assert all(r["tlt/idle_s"] >= 0 for rep in reports for r in rep["rows"])
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen3-bias-tied", "llama3-rope"])
+def test_qwen3_and_llama3_models_roll_out_as_trl_generates(case, tmp_path, monkeypatch):
+    """transformers' own Qwen3 and Llama 3 models (q/k norms, biases, tied embeddings, Llama 3
+    rope scaling): the probe passes and greedy completions equal TRL's generation."""
+    from test_architectures import CASES, _hf_model
+
+    from tailtamer.model.tokenizer import char_tokenizer
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    out = tmp_path / case
+    _hf_model(CASES[case]()).float().save_pretrained(out)
+    char_tokenizer().save(out)
+    greedy = {"generation_kwargs": {"do_sample": False}}
+    plain, _ = _trainer(out, tmp_path, None, **greedy)
+    rows = [p for p in PROMPTS[:2] for _ in range(plain.num_generations)]
+    prompt_ids, _, _ = plain._tokenize_prompts(rows)
+    theirs, _ = plain._generate_single_turn(prompt_ids, None, {}, plain.num_generations)
+    rollout = TLTRollout(spec="on", drafter="suffix", strategy="s4_2_5")
+    trainer, _ = _trainer(out, tmp_path, rollout, **greedy)
+    assert rollout(rows, trainer)["completion_ids"] == theirs
+
+
+def test_a_drafter_for_another_model_is_one_line(model_dir, tmp_path, monkeypatch):
+    from conftest import random_model, tiny_config
+
+    from tailtamer.errors import CheckpointError
+    from tailtamer.model.drafter import init_drafter, save_drafter
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    save_drafter(init_drafter(random_model(tiny_config(hidden_size=32))), tmp_path / "other")
+    rollout = TLTRollout(spec="on", drafter=str(tmp_path / "other"), strategy="3_1_4")
+    trainer, _ = _trainer(model_dir, tmp_path, rollout)
+    with pytest.raises(CheckpointError, match=f"drafter {tmp_path / 'other'}.*hidden_size") as e:
+        _rollout_once(trainer, rollout)
+    assert "\n" not in str(e.value)
