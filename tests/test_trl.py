@@ -206,3 +206,24 @@ def test_a_drafter_for_another_model_is_one_line(model_dir, tmp_path, monkeypatc
     with pytest.raises(CheckpointError, match=f"drafter {tmp_path / 'other'}.*hidden_size") as e:
         _rollout_once(trainer, rollout)
     assert "\n" not in str(e.value)
+
+
+def test_one_process_trains_the_drafter_only_in_a_window_when_asked(model_dir, tmp_path, monkeypatch):
+    from tailtamer.drafter.spot import SpotConfig
+    from tailtamer.model.drafter import init_drafter, save_drafter, weights_checksum
+    from tailtamer.model.io import load_model
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    save_drafter(init_drafter(load_model(model_dir), std=0.2), tmp_path / "drafter")
+    frozen = TLTRollout(spec="on", drafter=str(tmp_path / "drafter"), strategy="3_1_4")
+    trainer, _ = _trainer(model_dir, tmp_path, frozen)
+    _rollout_once(trainer, frozen)
+    assert frozen.adaptive is None  # one process: nothing trains, nothing is added to the step
+    window = TLTRollout(spec="on", drafter=str(tmp_path / "drafter"), strategy="3_1_4",
+                        spot=SpotConfig(single_worker="window", window_s=0.5, max_steps=5))
+    trainer, _ = _trainer(model_dir, tmp_path, window)
+    _rollout_once(trainer, window)
+    before = weights_checksum(window.adaptive.drafter)
+    _rollout_once(trainer, window)
+    assert weights_checksum(window.adaptive.drafter) != before
+    assert trainer._metrics["train" if trainer.model.training else "eval"]["tlt/drafter_steps"][-1] > 0

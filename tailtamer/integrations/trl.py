@@ -25,7 +25,9 @@ each process keeps the hidden states its own rollout computed; a process whose s
 trains the drafter on them until the slowest one finishes (checked before every drafter step's
 forward and backward: the spot trainer, `drafter/adaptive.py`), and the processes' drafters are
 then averaged, weighted by the steps each took, and checked identical before the call returns.
-With one process there is no idle time to train in, and the drafter stays as loaded.
+With one process there is no idle time to train in: the drafter stays as loaded, unless
+`SpotConfig(single_worker="window")` trains it for `window_s` after each rollout (which
+lengthens every step, as in tailtamer's own trainer).
 """
 
 from __future__ import annotations
@@ -141,8 +143,9 @@ class TLTRollout:
         if self.spec.mode != "off" and self.spec.drafter != "suffix":
             drafter = load_drafter(self.spec.drafter, model)
         speculator = make_speculator(self.spec, model, drafter)
-        if drafter is not None and self.spot.train and trainer.accelerator.num_processes > 1:
-            self.workers = _workers(trainer.accelerator.device)
+        several = trainer.accelerator.num_processes > 1
+        if drafter is not None and self.spot.train and (several or self.spot.single_worker == "window"):
+            self.workers = _workers(trainer.accelerator.device) if several else Workers(device=trainer.accelerator.device)
             score = SamplingParams(temperature=args.temperature or 1.0, top_p=args.top_p)
             self.adaptive = AdaptiveDrafter(drafter, replace(self.spot, compare_frozen=False), self.workers,
                                             int(args.seed) * 1009 + self.workers.rank, Strategy.parse(self.spec.fixed).depth,
@@ -180,6 +183,9 @@ class TLTRollout:
         """The spot trainer in this call's idle time, then the drafters averaged and checked
         identical on every process."""
         w, call = self.workers, self.calls
+        if w.world == 1:  # spot.single_worker=window: train for window_s after the rollout
+            report = self.adaptive.train_in_window()
+            return {"tlt/drafter_steps": report["steps"], "tlt/drafter_loss": report["loss"]}
         done = time.time()
         w.finish_rollout(call)
         report = self.adaptive.train_while_idle(lambda: w.rollout_over(call))
