@@ -263,3 +263,30 @@ def test_tree_sources_default_to_the_eagle_drafter():
     t = Tree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]),
              torch.ones(1, 2, dtype=torch.bool), depth=1)
     assert t.sources is None
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_p=0.9, n=3, max_new_tokens=30, seed=8,
+                                                   logprobs=True),
+                                    SamplingParams(temperature=0, n=2, max_new_tokens=30, logprobs=True)])
+def test_each_tokens_log_probability_is_recorded_as_drawn_with_or_without_sd(target, params):
+    """The log-probability of every emitted token under the distribution it was drawn from
+    (greedy: the temperature-1 one): the same with SD (chain, tree, suffix, fused) as without,
+    and equal to a recomputation over the finished sequence."""
+    prompts = _prompts(3, seed=12)
+    plain, _ = _run(target, prompts, params, 4)
+    eagle = EagleProposer(init_drafter(target, std=0.2))
+    for proposer, strategy in ((eagle, "4_1_5"), (eagle, "4_2_8"), (SuffixProposer(), "s6_2_9"),
+                               (_proposers(target, "fused"), "4_1_5+s6")):
+        out, _ = _run(target, prompts, params, 4, proposer, strategy)
+        assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+        for a, b in zip(out, plain):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-9)
+    processed = params if not params.greedy else SamplingParams(temperature=1.0)
+    for c in plain:
+        p = prompts[c.prompt_index]
+        assert len(c.logprobs) == len(c.token_ids)
+        with torch.no_grad():
+            logits = target(torch.tensor([p + c.token_ids]))[0][0, len(p) - 1: -1]
+        expected = target_probs(logits, processed).gather(1, torch.tensor(c.token_ids)[:, None]).log().squeeze(1)
+        assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), expected, atol=1e-9)
+    assert plain[0].logprobs is not None and _run(target, prompts[:1], SamplingParams(max_new_tokens=3), 1)[0][0].logprobs is None

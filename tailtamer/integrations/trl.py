@@ -16,8 +16,8 @@ kwargs); rolls the siblings out as one group each (one shared prefill, drafts fr
 with the suffix drafter), sampling as TRL's generation would (temperature, top-k, top-p,
 `max_completion_length`, TRL's end-of-sequence ids; `generation_kwargs={"do_sample": False}`
 for greedy), seeded by (args.seed, global step, process) so a run repeats; returns each sampled
-token's log-probability under the distribution it was drawn from (one forward over the
-rollout, as TRL's own recomputation; SD changes neither tokens nor log-probabilities); and
+token's log-probability under the distribution it was drawn from, recorded as the engine draws
+it (SD changes neither tokens nor log-probabilities); and
 appends TLT's figures to the trainer's metrics (`tlt/...`), which TRL logs wherever it logs.
 
 The adaptive drafter, with an EAGLE drafter and several processes (accelerate or torchrun):
@@ -46,13 +46,12 @@ from tailtamer.model.drafter import load_drafter, weights_checksum
 from tailtamer.model.io import from_hf_key, model_from_hf_state
 from tailtamer.model.transformer import join_fused
 from tailtamer.rollout.engine import Engine, EngineConfig
-from tailtamer.rollout.sampling import SamplingParams, target_probs
+from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.speculator import SpecConfig, make_speculator
 
 PROBE = (1, 2, 3, 4)  # token ids of the probe input that proves the engine's weights current
 PROBE_TOL = 1e-4  # the largest difference of the two models' probe logits, relative to their scale
-LOGPROB_ROWS = 32  # rows of one log-probability forward
 
 
 class StalePolicy(TailtamerError):
@@ -100,11 +99,11 @@ class TLTRollout:
         params = replace(params, n=len(prompt_ids) // len(unique))
         t0 = time.perf_counter()
         keep = self.adaptive.collector(self.calls) if self.adaptive is not None else None
-        completions, stats = self.engine.generate(unique, params, keep_hidden=keep)
+        completions, stats = self.engine.generate(unique, replace(params, logprobs=True), keep_hidden=keep)
         rollout_s = time.perf_counter() - t0
         spot = self._train_drafter() if self.adaptive is not None else {}
         completion_ids = [c.token_ids for c in completions]
-        logprobs = self.logprobs(prompt_ids, completion_ids, params)
+        logprobs = [c.logprobs for c in completions]
         self._log(trainer, stats, rollout_s, spot)
         self.calls += 1
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
@@ -219,30 +218,6 @@ class TLTRollout:
                               top_p=float(kwargs.get("top_p", args.top_p) or 1.0),
                               max_new_tokens=int(kwargs.get("max_new_tokens", trainer.max_completion_length)),
                               seed=seed)
-
-    def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                 params: SamplingParams) -> list[list[float]]:
-        """Each completion token's log-probability under the distribution it was sampled from
-        (temperature, top-k, top-p applied; greedy: the temperature-1 distribution), from
-        forwards over prompt + completion, rows right-padded (causal: padding after a row's end
-        changes none of its logits), LOGPROB_ROWS rows at a time."""
-        model = self.engine.model
-        device = next(model.parameters()).device
-        processed = replace(params, temperature=params.temperature or 1.0)
-        out = []
-        for lo in range(0, len(prompt_ids), LOGPROB_ROWS):
-            rows = [p + c for p, c in zip(prompt_ids[lo: lo + LOGPROB_ROWS], completion_ids[lo: lo + LOGPROB_ROWS])]
-            width = max(map(len, rows))
-            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
-            with torch.no_grad():
-                logits = model(ids)[0]
-            for row, (p, c) in enumerate(zip(prompt_ids[lo: lo + LOGPROB_ROWS], completion_ids[lo: lo + LOGPROB_ROWS])):
-                if not c:
-                    out.append([])
-                    continue
-                probs = target_probs(logits[row, len(p) - 1: len(p) + len(c) - 1], processed)
-                out.append(probs.gather(1, torch.tensor(c, device=device)[:, None]).log().squeeze(1).tolist())
-        return out
 
     def _log(self, trainer, stats, rollout_s: float, spot: dict) -> None:
         mode = "train" if trainer.model.training else "eval"

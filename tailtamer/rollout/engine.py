@@ -84,6 +84,7 @@ class Request:
     max_new_tokens: int
     row: int = 0  # its row of the uniforms table of a `generate` call
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of output_ids, with SamplingParams.logprobs
     slot: int = -1
     cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
@@ -122,6 +123,7 @@ class Outcome:
     paths: list[list[int] | None] | None = None
     sources: list[list[int]] | None = None
     drafted_sources: list[int] | None = None
+    logprobs: list[list[float]] | None = None  # beside `tokens`, with SamplingParams.logprobs
 
 
 @dataclass
@@ -131,6 +133,7 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    logprobs: list[float] | None = None  # with SamplingParams.logprobs: each token's, as drawn
 
 
 class Engine:
@@ -195,6 +198,7 @@ class Engine:
         device = self.model.device
         # as wide as the longest response can be (max_new_tokens may exceed the context; draws
         # past a request's budget are discarded, so they may share the last column)
+        self._logprobs = params.logprobs
         self._uniforms = None if params.greedy else uniforms(
             torch.tensor([r.key for r in requests], device=device),
             torch.arange(max(r.max_new_tokens for r in requests) + 1, device=device)[None])
@@ -262,8 +266,10 @@ class Engine:
         moves, emitted = [], 0
         for i, (r, tokens, rows) in enumerate(zip(step.requests, out.tokens, out.rows)):
             before = len(r.output_ids)
-            for token in tokens:
+            for k, token in enumerate(tokens):
                 self._append(r, token, params)
+                if out.logprobs is not None:
+                    r.logprobs.append(out.logprobs[i][k])
                 if r.finish_reason:
                     break
             appended = len(r.output_ids) - before
@@ -306,17 +312,22 @@ class Engine:
         return self._compact(running, cache)
 
     def _draw(self, requests: list[Request], logits: torch.Tensor, params: SamplingParams,
-              indices: torch.Tensor) -> torch.Tensor:
+              indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens the target samples from logits (B, q, V), position (b, i) with the
         request's uniform number indices[b, i] (the response index that draw would emit);
-        -1 where the logits are not finite (see `_checked`)."""
+        -1 where the logits are not finite (see `_checked`). With `params.logprobs`, also each
+        token's log-probability under the distribution it was drawn from (greedy: the
+        temperature-1 distribution), else None."""
         if params.greedy:
             tokens = logits.argmax(-1)
+            probs = torch.softmax(logits.float(), -1) if params.logprobs else None
         else:
             rows = torch.tensor([r.row for r in requests], device=logits.device)[:, None]
             u = self._uniforms[rows, indices.clamp(max=self._uniforms.shape[1] - 1)]
-            tokens = sample(target_probs(logits, params), u)
-        return torch.where(torch.isfinite(logits.sum(-1)), tokens, -1)
+            probs = target_probs(logits, params)
+            tokens = sample(probs, u)
+        tokens = torch.where(torch.isfinite(logits.sum(-1)), tokens, -1)
+        return tokens, probs.gather(-1, tokens.clamp(min=0)[..., None])[..., 0].log() if params.logprobs else None
 
     @staticmethod
     def _checked(tokens: list[int]) -> list[int]:
@@ -338,10 +349,11 @@ class Engine:
         logits, hidden = self.model.decode(ids, cache, slice(0, B), starts, span=max(cached) + 1)
         PHASES.mark("plain: target forward")
         index = torch.tensor([[len(r.output_ids)] for r in running], device=device)
-        tokens = self._draw(running, logits, params, index)
+        tokens, lps = self._draw(running, logits, params, index)
         PHASES.mark("plain: sample")
         observed = [(slice(0, B), starts[:, None], hidden, tokens)] if self._observes() else []
-        return Outcome([[t] for t in self._checked(tokens[:, 0].tolist())], [1] * B, observed)
+        return Outcome([[t] for t in self._checked(tokens[:, 0].tolist())], [1] * B, observed,
+                       logprobs=lps.tolist() if lps is not None else None)
 
     def _observes(self) -> bool:
         return self.proposer is not None and self.proposer.needs_hidden
@@ -411,8 +423,9 @@ class Engine:
                 cache.copy_slot(leader.slot, r.slot, len(r.prompt_ids))
             r.cached = len(r.prompt_ids)
         rows = torch.tensor([row[r.prompt_index] for r in admitted], device=device)
-        first = self._draw(admitted, torch.cat(logits)[rows], params, torch.zeros(len(admitted), 1, dtype=torch.long,
-                                                                                 device=device))[:, 0]
+        first, lps = self._draw(admitted, torch.cat(logits)[rows], params,
+                                torch.zeros(len(admitted), 1, dtype=torch.long, device=device))
+        first = first[:, 0]
         observed = []
         if keep:  # pairs (h_j, x_(j+1)) over each prompt; the pair at the prompt's end gets the first token
             for ids, hidden, at in groups:
@@ -424,7 +437,8 @@ class Engine:
                 slots = torch.tensor([admitted[i].slot for i in mine], device=device)
                 observed.append((slots, torch.arange(ids.shape[1], device=device).expand(len(mine), -1), hidden[of],
                                  after))
-        return Outcome([[t] for t in self._checked(first.tolist())], [0] * len(admitted), observed)
+        return Outcome([[t] for t in self._checked(first.tolist())], [0] * len(admitted), observed,
+                       logprobs=lps.tolist() if lps is not None else None)
 
     def _speculate(self, step: Step, cache: KVCache, params: SamplingParams) -> Outcome:
         """One SD step (see rollout/speculative.py): propose a tree per request, verify every
@@ -443,7 +457,7 @@ class Engine:
         N = tree.tokens.shape[1]
         emitted_at = torch.tensor([[len(r.output_ids) + i for i in range(N)] for r in running], device=device) \
             if tree.chain else torch.tensor([[len(r.output_ids)] for r in running], device=device) + tree.depths
-        draws = self._draw(running, logits, params, emitted_at)
+        draws, lps = self._draw(running, logits, params, emitted_at)
         PHASES.mark("sd: sample")
         path, tokens, length = accept(tree, draws)
         PHASES.mark("sd: accept")
@@ -463,7 +477,9 @@ class Engine:
         if tree.sources is not None:
             sources = [row[1:n] for row, n in zip(tree.sources.gather(1, path).tolist(), lengths)]
             drafted_sources = torch.bincount(tree.sources[tree.valid], minlength=len(SOURCE_NAMES) + 1).tolist()
-        return Outcome(accepted, lengths, observed, drafted, paths, sources, drafted_sources)
+        if lps is not None:  # the walk's emitted tokens' (each drawn at its node of the path)
+            lps = [row[:n] for row, n in zip(lps.gather(1, path).tolist(), lengths)]
+        return Outcome(accepted, lengths, observed, drafted, paths, sources, drafted_sources, lps)
 
     def _append(self, r: Request, token: int, params: SamplingParams) -> None:
         r.output_ids.append(token)
@@ -490,7 +506,8 @@ class Engine:
             text = self.tokenizer.decode(r.output_ids)
             if r.stop_at is not None:
                 text = text[: r.stop_at]
-        return Completion(r.prompt_index, r.sample_index, r.output_ids, text, r.finish_reason or "length")
+        return Completion(r.prompt_index, r.sample_index, r.output_ids, text, r.finish_reason or "length",
+                          r.logprobs if self._logprobs else None)
 
 
 # The forward each kind of scheduled step runs (`Engine.generate`: schedule -> RUNS[kind] -> commit).

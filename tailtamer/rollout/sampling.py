@@ -30,6 +30,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end a response (excluded from its text)
     n: int = 1  # samples per prompt
     seed: int = 0
+    logprobs: bool = False  # record each token's log-probability under the distribution it was drawn from
 
     def __post_init__(self):
         if not 0 <= self.temperature < math.inf:
