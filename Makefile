@@ -40,7 +40,7 @@ $(VLLM_STAMP): pyproject.toml
 	  $(VLLM_BIN)/python -m pip install -q "$(TORCH_PIN)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) && \
 	  $(VLLM_BIN)/python -m pip install -q "$(VLLM_PKG)" && \
 	  $(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec )
-	$(VLLM_BIN)/python -m pip install -q -e ".[test]"
+	$(VLLM_BIN)/python -m pip install -q -e ".[test,trl]"
 	ln -sfn $(VLLM_ENV) $(VLLM_CACHE)/vllm-env
 	mkdir -p $(dir $@) && echo $(VLLM_ENV) > $@
 
@@ -56,7 +56,7 @@ test-fast: venv
 	$(BIN)/python -m pytest -m "not slow"
 
 test-vllm: vllm-env
-	$(VLLM_BIN)/python -m pytest -m vllm tests/test_vllm_backend.py
+	$(VLLM_BIN)/python -m pytest -m vllm tests/test_vllm_backend.py tests/test_trl.py
 
 bench: venv
 	$(BIN)/tailtamer bench decode --out runs/bench-decode.json

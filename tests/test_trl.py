@@ -108,7 +108,7 @@ def test_the_trainers_updates_reach_the_engine_and_a_stale_copy_is_caught(model_
 
 
 @pytest.mark.parametrize("kwargs,config,message", [
-    ({"backend": "vllm"}, {}, "only tailtamer's engine runs inside TRL"),
+    ({"backend": "nope"}, {}, "backend='nope': tailtamer \\(our engine\\) or vllm"),
     ({"drafter": "builtin"}, {}, "drafter='builtin' is the built-in base model's drafter"),
     ({"spec": "on", "drafter": None}, {}, "needs a drafter"),
     ({}, {"repetition_penalty": 1.2}, "repetition_penalty=1.2 would change the policy's distribution"),
@@ -227,3 +227,48 @@ def test_one_process_trains_the_drafter_only_in_a_window_when_asked(model_dir, t
     _rollout_once(trainer, window)
     assert weights_checksum(window.adaptive.drafter) != before
     assert trainer._metrics["train" if trainer.model.training else "eval"]["tlt/drafter_steps"][-1] > 0
+
+
+@pytest.mark.vllm
+def test_the_vllm_backend_inside_trl(tmp_path, monkeypatch):
+    """`make test-vllm` (TRL in vLLM's environment): GRPOTrainer runs two steps with
+    TLTRollout(backend="vllm") and its EAGLE drafter (chains, the long-tail switch through vLLM's
+    draft-length table); greedy completions equal TRL's own generation, log-probabilities its
+    recomputation; the trainer's update reaches vLLM (its publish is checked layer by layer)."""
+    pytest.importorskip("vllm")
+    from conftest import random_model, tiny_config
+
+    from tailtamer.model.drafter import init_drafter, save_drafter
+    from tailtamer.model.io import load_model, save_model
+    from tailtamer.model.tokenizer import char_tokenizer
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    model_dir = tmp_path / "model"  # heads of 32: vLLM's CPU attention runs no smaller
+    save_model(random_model(tiny_config(num_attention_heads=2, num_key_value_heads=1)), model_dir)
+    char_tokenizer().save(model_dir)
+    save_drafter(init_drafter(load_model(model_dir), std=0.2, fc_bias=False), tmp_path / "drafter")
+    greedy = {"generation_kwargs": {"do_sample": False}}
+    plain, _ = _trainer(model_dir, tmp_path, None, **greedy)
+    rows = [p for p in PROMPTS[:2] for _ in range(plain.num_generations)]
+    prompt_ids, _, _ = plain._tokenize_prompts(rows)
+    theirs, _ = plain._generate_single_turn(prompt_ids, None, {}, plain.num_generations)
+    rollout = TLTRollout(backend="vllm", spec="on", drafter=str(tmp_path / "drafter"), strategy="4_1_5")
+    try:
+        trainer, _ = _trainer(model_dir, tmp_path, rollout, **greedy)
+        out = rollout(rows, trainer)
+        assert out["completion_ids"] == theirs
+        for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+            with torch.no_grad():
+                logits = trainer.model(torch.tensor([p + c])).logits[0, len(p) - 1: -1]
+            expected = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(c)[:, None]).squeeze(1)
+            assert torch.allclose(torch.tensor(lp, dtype=torch.float64), expected, atol=1e-4)
+    finally:
+        rollout.close()
+    sampled = TLTRollout(backend="vllm", spec="adaptive", drafter=str(tmp_path / "drafter"))
+    try:
+        trainer, seen = _trainer(model_dir, tmp_path, sampled)
+        trainer.train()
+        assert sampled.calls == 2 and all(len(s) == 8 for s in seen)
+        assert [r for r in trainer.state.log_history if "tlt/accept_len" in r]
+    finally:
+        sampled.close()

@@ -32,8 +32,12 @@ lengthens every step, as in tailtamer's own trainer).
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -43,12 +47,14 @@ from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.model.config import ARCHITECTURES, ModelConfig
 from tailtamer.model.drafter import load_drafter, weights_checksum
-from tailtamer.model.io import from_hf_key, model_from_hf_state
+from tailtamer.model.io import from_hf_key, model_from_hf_state, save_model
 from tailtamer.model.transformer import join_fused
 from tailtamer.rollout.engine import Engine, EngineConfig
-from tailtamer.rollout.sampling import SamplingParams
+from tailtamer.rollout.sampling import SamplingParams, target_probs
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.speculator import SpecConfig, make_speculator
+from tailtamer.rollout.vllm_backend import (VLLM_STRATEGIES, VLLM_STRATEGY, VLLMBackend, VLLMConfig, bias_free,
+                                            check_strategies, require_vllm)
 
 PROBE = (1, 2, 3, 4)  # token ids of the probe input that proves the engine's weights current
 PROBE_TOL = 1e-4  # the largest difference of the two models' probe logits, relative to their scale
@@ -69,17 +75,24 @@ class TLTRollout:
     def __init__(self, spec: str = "adaptive", drafter: str | None = "suffix", strategy: str | None = None,
                  strategies: tuple[str, ...] | None = None, bs_threshold: int | None = None,
                  max_batch_size: int = 512, backend: str = "tailtamer", spot: SpotConfig = SpotConfig()):
-        if backend != "tailtamer":
-            raise ConfigError(f"TLTRollout backend={backend!r}: only tailtamer's engine runs inside TRL for now; with "
-                              f"vLLM use TRL's own use_vllm=True (without TLTRollout)")
+        if backend not in ("tailtamer", "vllm"):
+            raise ConfigError(f"TLTRollout backend={backend!r}: tailtamer (our engine) or vllm")
         if drafter == "builtin":
             raise ConfigError("TLTRollout drafter='builtin' is the built-in base model's drafter, not one for a TRL "
                               "model: give a drafter directory (tailtamer drafter train --model DIR), 'suffix' or None")
+        vllm = backend == "vllm"
+        if vllm:  # where it is installed; its arms are chains (unset: vLLM's defaults)
+            require_vllm("TLTRollout backend='vllm'")
+            strategy = strategy or VLLM_STRATEGY
+            strategies = strategies or VLLM_STRATEGIES
         self.spec = SpecConfig(mode=spec, drafter=drafter if spec != "off" else None, strategy=strategy,
                                strategies=tuple(strategies) if strategies is not None else None,
                                bs_threshold=bs_threshold)
-        self.max_batch_size, self.spot = max_batch_size, spot
-        self.engine: Engine | None = None
+        if vllm:
+            check_strategies(self.spec)
+        self.backend, self.max_batch_size, self.spot = backend, max_batch_size, spot
+        self.engine: Engine | VLLMBackend | None = None
+        self.model = None  # our Transformer, holding the trainer's weights
         self.adaptive: AdaptiveDrafter | None = None
         self.workers: Workers | None = None
         self.calls = 0
@@ -91,6 +104,8 @@ class TLTRollout:
         if self.engine is None:
             self.engine = self._build(policy, trainer)
         self.publish(policy)
+        if self.backend == "vllm":
+            self.engine.publish_policy(self.model)
         prompt_ids = self._tokenize(prompts, trainer)
         params = self._params(trainer, len(prompt_ids))
         groups = _group_rows(prompt_ids)
@@ -103,7 +118,8 @@ class TLTRollout:
         rollout_s = time.perf_counter() - t0
         spot = self._train_drafter() if self.adaptive is not None else {}
         completion_ids = [c.token_ids for c in completions]
-        logprobs = [c.logprobs for c in completions]
+        logprobs = [c.logprobs for c in completions] if self.backend == "tailtamer" else \
+            self.recomputed_logprobs(prompt_ids, completion_ids, params)
         self._log(trainer, stats, rollout_s, spot)
         self.calls += 1
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
@@ -138,9 +154,17 @@ class TLTRollout:
         weight = next(policy.parameters())
         model = model_from_hf_state(cfg, policy.state_dict(), torch.float32 if weight.dtype != torch.float64 else
                                     torch.float64, weight.device, "the trainer's model", "its config")
+        self.model = model
         drafter = None
         if self.spec.mode != "off" and self.spec.drafter != "suffix":
             drafter = load_drafter(self.spec.drafter, model)
+        if self.backend == "vllm":  # started from the model as it is now, saved where vLLM loads it
+            self._dir = tempfile.mkdtemp(prefix="tailtamer-trl-vllm-")
+            atexit.register(shutil.rmtree, self._dir, True)
+            save_model(model, self._dir)
+            return VLLMBackend(self._dir, model, None, self.spec, bias_free(drafter), VLLMConfig(), self.max_batch_size,
+                               seed=int(args.seed), eos_ids=tuple(trainer.eos_token_ids),
+                               log_file=Path(args.output_dir) / "vllm.log")
         speculator = make_speculator(self.spec, model, drafter)
         several = trainer.accelerator.num_processes > 1
         if drafter is not None and self.spot.train and (several or self.spot.single_worker == "window"):
@@ -157,7 +181,7 @@ class TLTRollout:
     def publish(self, policy) -> None:
         """The trainer's current weights into the engine's model, then the probe: both models'
         logits on the same input must agree (a stale or partial copy does not)."""
-        model = self.engine.model
+        model = self.model
         state = join_fused({from_hf_key(k): v for k, v in policy.state_dict().items()}, model.config)
         params = dict(model.named_parameters())  # a tied LM head is the embedding's parameter
         with torch.no_grad():
@@ -167,7 +191,7 @@ class TLTRollout:
         self.check(policy)
 
     def check(self, policy) -> None:
-        model = self.engine.model
+        model = self.model
         ids = torch.tensor([PROBE], device=next(model.parameters()).device)
         with torch.no_grad():
             theirs = policy(input_ids=ids.to(next(policy.parameters()).device)).logits.float().cpu()
@@ -218,6 +242,30 @@ class TLTRollout:
                               top_p=float(kwargs.get("top_p", args.top_p) or 1.0),
                               max_new_tokens=int(kwargs.get("max_new_tokens", trainer.max_completion_length)),
                               seed=seed)
+
+    def recomputed_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                            params: SamplingParams) -> list[list[float]]:
+        """For vLLM, which does not record them here: each completion token's log-probability
+        under the distribution it was sampled from, from forwards of our model over prompt +
+        completion (rows right-padded: causal, so padding changes no row's logits)."""
+        device = next(self.model.parameters()).device
+        processed = replace(params, temperature=params.temperature or 1.0)
+        out = []
+        for lo in range(0, len(prompt_ids), 32):
+            pairs = list(zip(prompt_ids[lo: lo + 32], completion_ids[lo: lo + 32]))
+            width = max(len(p) + len(c) for p, c in pairs)
+            ids = torch.tensor([p + c + [0] * (width - len(p) - len(c)) for p, c in pairs], device=device)
+            with torch.no_grad():
+                logits = self.model(ids)[0]
+            for row, (p, c) in enumerate(pairs):
+                probs = target_probs(logits[row, len(p) - 1: len(p) + len(c) - 1], processed)
+                out.append(probs.gather(1, torch.tensor(c, device=device)[:, None]).log().squeeze(1).tolist() if c else [])
+        return out
+
+    def close(self) -> None:
+        """Shut a vLLM engine down (our engine needs nothing)."""
+        if self.backend == "vllm" and self.engine is not None:
+            self.engine.close()
 
     def _log(self, trainer, stats, rollout_s: float, spot: dict) -> None:
         mode = "train" if trainer.model.training else "eval"

@@ -188,8 +188,8 @@ def model_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype:
     raw = {from_hf_key(k): v for k, v in state.items()}
     layers = {int(k.split(".")[1]) for k in raw if k.startswith("layers.") and k.split(".")[1].isdigit()}
     if len(layers) != cfg.num_hidden_layers:  # before building a model of the config's size
-        raise CheckpointError(f"{config_source}: num_hidden_layers is {cfg.num_hidden_layers} but {source} holds "
-                              f"{len(layers)} layer(s)")
+        raise CheckpointError(f"{config_source}: num_hidden_layers is {cfg.num_hidden_layers} but {Path(source).name} "
+                              f"holds {len(layers)} layer(s)")
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = split_fused(model.state_dict(), cfg)
