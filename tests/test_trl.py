@@ -272,3 +272,28 @@ def test_the_vllm_backend_inside_trl(tmp_path, monkeypatch):
         assert [r for r in trainer.state.log_history if "tlt/accept_len" in r]
     finally:
         sampled.close()
+
+
+def test_a_trl_without_rollout_func_is_one_line(monkeypatch):
+    class OldTrainer:
+        def __init__(self, model, reward_funcs, args=None):
+            pass
+
+    monkeypatch.setattr(trl, "GRPOTrainer", OldTrainer)
+    with pytest.raises(ConfigError, match=r"needs GRPOTrainer's rollout_func \(TRL >= 1.0\); this TRL is "):
+        TLTRollout()
+
+
+def test_chat_prompts_are_rendered_as_trl_renders_them(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = TLTRollout(spec="off", drafter=None)
+    trainer, _ = _trainer(model_dir, tmp_path, rollout)
+    trainer.processing_class.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
+    rows = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": p}]
+            for p in PROMPTS[:2] for _ in range(trainer.num_generations)]
+    theirs, _, _ = trainer._tokenize_prompts(rows)
+    out = rollout(rows, trainer)
+    assert out["prompt_ids"] == [list(p) for p in theirs]
+    assert len(set(map(tuple, out["prompt_ids"]))) == 2 and all(out["completion_ids"])

@@ -33,6 +33,7 @@ lengthens every step, as in tailtamer's own trainer).
 from __future__ import annotations
 
 import atexit
+import inspect
 import shutil
 import tempfile
 import time
@@ -75,6 +76,7 @@ class TLTRollout:
     def __init__(self, spec: str = "adaptive", drafter: str | None = "suffix", strategy: str | None = None,
                  strategies: tuple[str, ...] | None = None, bs_threshold: int | None = None,
                  max_batch_size: int = 512, backend: str = "tailtamer", spot: SpotConfig = SpotConfig()):
+        check_trl()
         if backend not in ("tailtamer", "vllm"):
             raise ConfigError(f"TLTRollout backend={backend!r}: tailtamer (our engine) or vllm")
         if drafter == "builtin":
@@ -285,6 +287,17 @@ class TLTRollout:
 # generation_kwargs keys TRL sets itself or that tailtamer honours
 TRL_GENERATION_KEYS = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature",
                        "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation"}
+
+
+def check_trl() -> None:
+    """One line where TRL is missing, or too old to take a rollout_func (TRL >= 1.0)."""
+    try:
+        import trl
+    except ImportError:
+        raise ConfigError("TLTRollout needs TRL: pip install -e '.[trl]' (trl 1.16.0)") from None
+    if "rollout_func" not in inspect.signature(trl.GRPOTrainer.__init__).parameters:
+        raise ConfigError(f"TLTRollout needs GRPOTrainer's rollout_func (TRL >= 1.0); this TRL is {trl.__version__}: "
+                          f"pip install -e '.[trl]' (trl 1.16.0)")
 
 
 def _workers(device: torch.device) -> Workers:
