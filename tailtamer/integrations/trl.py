@@ -109,7 +109,7 @@ class TLTRollout:
         if self.backend == "vllm":
             self.engine.publish_policy(self.model)
         prompt_ids = self._tokenize(prompts, trainer)
-        params = self._params(trainer, len(prompt_ids))
+        params = self._params(trainer)
         groups = _group_rows(prompt_ids)
         size = len(prompt_ids) // len(groups)
         unique = [prompt_ids[g[0]] for g in groups] if all(len(g) == size for g in groups) else prompt_ids
@@ -233,7 +233,7 @@ class TLTRollout:
             return [list(map(int, ids)) for ids in out["input_ids"]]
         return [list(map(int, ids)) for ids in trainer.processing_class(text=prompts)["input_ids"]]
 
-    def _params(self, trainer, rows: int) -> SamplingParams:
+    def _params(self, trainer) -> SamplingParams:
         args = trainer.args
         kwargs = getattr(trainer, "generation_kwargs", None) or {}
         greedy = kwargs.get("do_sample") is False or args.temperature == 0
