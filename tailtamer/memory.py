@@ -290,8 +290,7 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
 def _strategies(spec) -> list:
     from tailtamer.rollout.speculative import Strategy
 
-    fixed = spec.mode == "on" or spec.tuner == "fixed"
-    return [Strategy.parse(s) for s in ((spec.fixed,) if fixed else spec.arms)]
+    return [Strategy.parse(s) for s in spec.in_use]
 
 
 def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dtype_bytes: int | None = None, *,

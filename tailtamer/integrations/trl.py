@@ -271,11 +271,8 @@ class TLTRollout:
 
     def _log(self, trainer, stats, rollout_s: float, spot: dict) -> None:
         mode = "train" if trainer.model.training else "eval"
-        summary = stats.summary()
-        sd_tokens = sum(v["tokens"] for v in summary["by_strategy"].values())
         metrics = {"tlt/rollout_s": rollout_s, "tlt/tail_s": stats.tail_seconds(),
-                   "tlt/accept_len": summary["accept_len_mean"],
-                   "tlt/sd_tokens_frac": sd_tokens / max(1, summary["tokens"])}
+                   "tlt/accept_len": stats.accept_len_mean, "tlt/sd_tokens_frac": stats.sd_tokens / max(1, stats.tokens)}
         steps = sum(stats.accept_lens.values())
         for source, n in stats.accepted_by_source.items():
             metrics[f"tlt/accepted_from_{source}"] = n / max(1, steps)

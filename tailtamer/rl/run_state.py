@@ -144,8 +144,8 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     # Before loading anything: what each worker will hold, and a refusal if it cannot fit.
     need = estimate_for(cfg, model_cfg, workers.world, dtype.itemsize, device_type=device.type)
     available = available_memory(device.type, lambda: device_memory(device))
-    if available is not None and device.type == "cpu":  # the machine's memory, shared by its workers
-        available //= int(os.environ.get("LOCAL_WORLD_SIZE", workers.world))
+    if device.type == "cpu":
+        available = machine_share(available, workers.world)
     log(format_estimate(need, available))
     check_fits(need, available, str(device))
     sharding = SHARDINGS[cfg.run.shard](workers)
@@ -176,9 +176,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     vllm_log = (run_dir / VLLM_LOG, f"worker {workers.rank} ") if run_dir.is_dir() else (None, "")
     history = None
     if cfg.rollout.backend == "tailtamer":  # each worker keeps its own, in the machine's memory
-        ram = available_memory("cpu")
-        history = cfg.spec.make_history(model_cfg.vocab_size, ram and ram // int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                                                                 workers.world)))
+        history = cfg.spec.make_history(model_cfg.vocab_size, machine_share(available_memory("cpu"), workers.world))
     if history is not None and resume is not None:
         if cfg.spec.history_on_resume == "fresh":
             log("spec.history_on_resume=fresh: the suffix drafts start without the checkpoint's history")
@@ -207,6 +205,11 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     return RunState(cfg, run_dir, model, tokenizer, optimizer, scheduler, rollout, scorer, train_rows, eval_rows,
                     order, sharding, workers, ref_model, adaptive, dtype, step=state["step"], skipped_prompts=skipped,
                     saved_step=state["step"] if resume is not None else None, draft_history=history)
+
+
+def machine_share(available: int | None, world: int) -> int | None:
+    """This worker's share of the machine's memory (None: unknown): its workers share it."""
+    return available and available // int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_drafter: Path | None, resumed: bool,

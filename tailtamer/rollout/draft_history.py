@@ -40,10 +40,7 @@ class DraftHistory:
     def add(self, prompt_ids, response) -> None:
         if not self.per_prompt or not response:
             return
-        key = prompt_key(prompt_ids)
-        self.prompts.setdefault(key, deque())
-        self.prompts.move_to_end(key)
-        self._keep(key, response)
+        self._keep(prompt_key(prompt_ids), response)
 
     def entries(self) -> list:
         """What is kept, as JSON: [[prompt key, [response, ...]], ...], least recently answered first."""
@@ -76,12 +73,12 @@ class DraftHistory:
         for entries in [workers[rank]] if len(workers) == world else workers:
             for key, responses in entries:
                 for r in responses:
-                    self.prompts.setdefault(key, deque())
-                    self.prompts.move_to_end(key)
                     self._keep(key, r)
 
     def _keep(self, key: str, response: list[int]) -> None:
-        kept = self.prompts[key]
+        """`response` as the prompt's newest, within the bounds (the prompt now the most recent)."""
+        kept = self.prompts.setdefault(key, deque())
+        self.prompts.move_to_end(key)
         kept.append(array("i", response))
         self.tokens += len(response)
         while len(kept) > self.per_prompt:

@@ -27,7 +27,7 @@ from tailtamer.rollout.eagle import EagleProposer, chain_tree
 from tailtamer.rollout.proposer import Proposer
 from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.stats import PHASES
-from tailtamer.rollout.suffix import SuffixProposer
+from tailtamer.rollout.suffix import SuffixProposer, padded_tree
 from tailtamer.rollout.suffix_index import EAGLE
 
 SUFFIX_TOPK = 2  # children a node of a fused tree's suffix part (its budget: the arm's M)
@@ -92,11 +92,11 @@ def fuse(tree: Tree, nodes: list[list[tuple]]) -> Tree:
     parent already has as a child is that child, the others are appended; padded to the
     largest. Where every request's tree is one chain of the same length (the index only
     extended EAGLE's chain), it is verified as a chain."""
-    tokens, parents, depths, valid = (t.tolist() for t in (tree.tokens, tree.parents, tree.depths, tree.valid))
+    tokens, parents, depths = (t.tolist() for t in (tree.tokens, tree.parents, tree.depths))
     sources = tree.sources.tolist() if tree.sources is not None else [[0] + [EAGLE] * (len(row) - 1) for row in tokens]
     for b, row in enumerate(nodes):
-        tok, par, dep, val, src = tokens[b], parents[b], depths[b], valid[b], sources[b]
-        child = {(par[i], tok[i]): i for i in range(1, len(tok)) if val[i]}
+        tok, par, dep, src = tokens[b], parents[b], depths[b], sources[b]
+        child = {(par[i], tok[i]): i for i in range(1, len(tok))}
         at: list[int] = []  # suffix node -> tree node
         for token, parent, _, _, source in row:
             p = at[parent] if parent >= 0 else 0
@@ -106,21 +106,9 @@ def fuse(tree: Tree, nodes: list[list[tuple]]) -> Tree:
                 tok.append(token)
                 par.append(p)
                 dep.append(dep[p] + 1)
-                val.append(True)
                 src.append(source)
             at.append(i)
-    width = max(map(len, tokens))
+    width, dev = max(map(len, tokens)), tree.tokens.device
     if all(len(p) == width and p == list(range(-1, width - 1)) for p in parents):
-        dev = tree.tokens.device
         return replace(chain_tree(torch.tensor(tokens, device=dev)), sources=torch.tensor(sources, device=dev))
-    for tok, par, dep, val, src in zip(tokens, parents, depths, valid, sources):
-        pad = width - len(tok)
-        tok += [0] * pad
-        par += [-1] * pad
-        dep += [1] * pad
-        val += [False] * pad
-        src += [0] * pad
-    dev = tree.tokens.device
-    as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype, device=dev)  # noqa: E731
-    return Tree(as_tensor(tokens, torch.long), as_tensor(parents, torch.long), as_tensor(depths, torch.long),
-                as_tensor(valid, torch.bool), depth=max(max(row) for row in depths), sources=as_tensor(sources, torch.long))
+    return padded_tree(tokens, parents, depths, sources, width, dev)

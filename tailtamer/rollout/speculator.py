@@ -115,10 +115,20 @@ class SpecConfig:
             return self.strategies
         return DEFAULT_SUFFIX_STRATEGIES if self.drafter == "suffix" else DEFAULT_MAB_STRATEGIES
 
+    @property
+    def one_strategy(self) -> bool:
+        """Whether one strategy drafts every SD step (mode on, or the fixed tuner): spec.strategy
+        is what runs, not spec.strategies."""
+        return self.mode == "on" or self.tuner == "fixed"
+
+    @property
+    def in_use(self) -> tuple[str, ...]:
+        """The strategies this config may draft with: spec.strategy's, or the bandit's arms."""
+        return (self.fixed,) if self.one_strategy else self.arms
+
     def uses_suffix(self) -> bool:
         """Whether an arm drafts from the suffix index (then the history is kept)."""
-        names = [self.fixed] if self.mode == "on" or self.tuner == "fixed" else self.arms
-        return any((s := Strategy.parse(n)).model_free or s.suffix for n in names)
+        return any((s := Strategy.parse(n)).model_free or s.suffix for n in self.in_use)
 
     def make_history(self, vocab_size: int, available: int | None) -> DraftHistory | None:
         """The history the suffix index drafts from across rollouts, if an arm uses it; refused
@@ -144,7 +154,7 @@ class SpecConfig:
         many requests as the bucket and the switch let run (rows the engine's logits hold)."""
         threshold = self.threshold(device_type) if self.mode == "adaptive" else None
         running = slots if threshold is None else min(slots, threshold)
-        if self.mode == "on" or self.tuner == "fixed":
+        if self.one_strategy:
             return running * Strategy.parse(self.fixed).width
         bandit, rows = self._bandit(), 0
         for i, group in enumerate(bandit.groups):
@@ -155,7 +165,7 @@ class SpecConfig:
         return rows
 
     def make_tuner(self):
-        if self.mode == "on" or self.tuner == "fixed":
+        if self.one_strategy:
             return FixedTuner(Strategy.parse(self.fixed))
         return self._bandit()
 

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from tailtamer.rollout.suffix_index import EAGLE, SOURCE_NAMES
+from tailtamer.rollout.tuner import size_class
 
 
 @lru_cache(maxsize=None)
 def size_class_name(running: int) -> str:
-    """The batch-size class of `running` requests: "1", "2-3", "4-7", ..."""
-    k = running.bit_length() - 1
+    """The name of `running`'s batch-size class (`tuner.size_class`): "1", "2-3", "4-7", ..."""
+    k = size_class(running)
     return str(running) if running == 1 else f"{2 ** k}-{2 ** (k + 1) - 1}"
 
 
@@ -40,10 +41,9 @@ class RolloutStats:
     depth_accepts: dict[int, int] = field(default_factory=dict)  # draft depth d -> request-steps accepting >= d
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    # where drafts came from (suffix_index.SOURCE_NAMES): tokens drafted and accepted by source,
-    # and accepted ones by batch-size class ("1", "2-3", "4-7", ...) and source
+    # where drafts came from (suffix_index.SOURCE_NAMES): tokens drafted by source, and accepted
+    # ones by batch-size class ("1", "2-3", "4-7", ...) and source
     drafted_by_source: dict[str, int] = field(default_factory=dict)
-    accepted_by_source: dict[str, int] = field(default_factory=dict)
     accepted_by_class: dict[str, dict[str, int]] = field(default_factory=dict)
     request_steps_by_class: dict[str, int] = field(default_factory=dict)
     timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (seconds, running, arm) per step
@@ -79,7 +79,6 @@ class RolloutStats:
         counts = {SOURCE_NAMES[EAGLE]: emitted - 1} if sources is None else Counter(SOURCE_NAMES[c] for c in sources[: emitted - 1])
         for name, n in counts.items():
             if n:
-                self.accepted_by_source[name] = self.accepted_by_source.get(name, 0) + n
                 by_class[name] = by_class.get(name, 0) + n
 
     def record_drafted_sources(self, counts: list[int] | None, drafted: list[int]) -> None:
@@ -95,10 +94,21 @@ class RolloutStats:
         return sum(s for n, s in self.seconds_by_running.items() if n <= running)
 
     @property
+    def sd_tokens(self) -> int:
+        """Tokens emitted by SD steps."""
+        return sum(v["tokens"] for v in self.by_strategy.values())
+
+    @property
+    def accepted_by_source(self) -> dict[str, int]:
+        """Accepted drafts by source, over every batch size."""
+        return dict(sum((Counter(by) for by in self.accepted_by_class.values()), Counter()))
+
+    @property
     def accept_len_mean(self) -> float:
         return mean_accept_len(self.accept_lens)
 
     def summary(self) -> dict:
+        accepted = self.accepted_by_source
         n = sum(self.accept_lens.values())
         return {
             "tokens": self.tokens,
@@ -117,7 +127,7 @@ class RolloutStats:
             "accept_rate_by_position": {str(d): c / n for d, c in sorted(self.depth_accepts.items())} if n else {},
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
-            "by_source": {s: {"drafted": self.drafted_by_source.get(s, 0), "accepted": self.accepted_by_source.get(s, 0)}
+            "by_source": {s: {"drafted": self.drafted_by_source.get(s, 0), "accepted": accepted.get(s, 0)}
                           for s in SOURCE_NAMES.values() if s in self.drafted_by_source},
             # accepted drafts per request-step, by batch-size class and source
             "accepted_by_batch_size": {c: {s: n / self.request_steps_by_class[c] for s, n in by.items()}

@@ -92,15 +92,17 @@ class SuffixProposer(Proposer):
 def tree_of(pending: list[int], nodes: list[list[tuple]], width: int, device) -> Tree:
     """The Tree of per-request draft nodes (token, parent, depth, probability, source; parent
     -1 = the pending root), padded to `width` nodes."""
-    tokens, parents, depths, valid, sources = [], [], [], [], []
-    for s, row in zip(pending, nodes):
-        pad = width - 1 - len(row)
-        tokens.append([s] + [n[0] for n in row] + [0] * pad)
-        parents.append([-1] + [n[1] + 1 for n in row] + [-1] * pad)
-        depths.append([0] + [n[2] for n in row] + [1] * pad)
-        valid.append([True] * (1 + len(row)) + [False] * pad)
-        sources.append([0] + [n[4] for n in row] + [0] * pad)
+    return padded_tree([[s] + [n[0] for n in row] for s, row in zip(pending, nodes)],
+                       [[-1] + [n[1] + 1 for n in row] for row in nodes], [[0] + [n[2] for n in row] for row in nodes],
+                       [[0] + [n[4] for n in row] for row in nodes], width, device)
+
+
+def padded_tree(tokens: list[list[int]], parents: list[list[int]], depths: list[list[int]],
+                sources: list[list[int]], width: int, device) -> Tree:
+    """The Tree of per-request nodes (all valid, parents first, node 0 the pending root), each
+    request's padded to `width` with nodes no walk reaches (parent -1, not valid)."""
+    pad = lambda rows, value: [row + [value] * (width - len(row)) for row in rows]  # noqa: E731
     as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype, device=device)  # noqa: E731
-    return Tree(as_tensor(tokens, torch.long), as_tensor(parents, torch.long), as_tensor(depths, torch.long),
-                as_tensor(valid, torch.bool), depth=max((n[2] for row in nodes for n in row), default=1),
-                sources=as_tensor(sources, torch.long))
+    return Tree(as_tensor(pad(tokens, 0), torch.long), as_tensor(pad(parents, -1), torch.long),
+                as_tensor(pad(depths, 1), torch.long), as_tensor(pad([[True] * len(t) for t in tokens], False), torch.bool),
+                depth=max(1, max(max(row) for row in depths)), sources=as_tensor(pad(sources, 0), torch.long))

