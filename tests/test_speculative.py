@@ -358,18 +358,19 @@ def _check_compiled(proposer):
 
 
 @pytest.mark.slow  # compiles three graphs
-def test_compiled_draft_chains_draft_what_eager_chains_draft(target, trained_drafter):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_draft_chains_draft_what_eager_chains_draft(target, trained_drafter, temperature):
     """The compiled chain (extend and levels in one graph, batches padded to a bucket) drafts
-    the eager chain's tokens: the same output and the same accepts, step for step. Batches of 4
-    to 1 running, so bucket 4 pads 3 requests; prompts past the batch, so admissions and
-    compaction happen between chains."""
-    params = SamplingParams(temperature=0, max_new_tokens=30)
+    the eager chain's tokens, top-1 or coupled (T = 1): the same output and the same accepts,
+    step for step. Batches of 4 to 1 running, so bucket 4 pads 3 requests; prompts past the
+    batch, so admissions and compaction happen between chains."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=30, seed=4)
     prompts = TRAIN_PROMPTS[:7]
     eager, eager_stats = _generate(target, prompts, params, 4, EagleProposer(trained_drafter), "3_1_4")
     proposer = EagleProposer(trained_drafter, compiled=True)
     calls = []
     compiled_fn = proposer.chain.fn
-    proposer.chain.fn = lambda *a: calls.append(a[3].shape[0]) or compiled_fn(*a)
+    proposer.chain.fn = lambda *a, **kw: calls.append(a[3].shape[0]) or compiled_fn(*a, **kw)
     spec, stats = _generate(target, prompts, params, 4, proposer, "3_1_4")
     _check_compiled(proposer)
     assert proposer.chain.ready == {(1, 3), (2, 3), (4, 3)}
@@ -377,7 +378,8 @@ def test_compiled_draft_chains_draft_what_eager_chains_draft(target, trained_dra
     assert len(calls) == stats.sd_steps and 3 in stats.seconds_by_running
     assert stats.setup_s == proposer.setup_s > 0 and proposer.notice.startswith("spec.compile: draft chains compiled")
     assert [c.token_ids for c in spec] == [c.token_ids for c in eager]
-    assert stats.accept_lens == eager_stats.accept_lens and stats.accept_len_mean > 1.2
+    # (sampled, this random target's draws spread: a few drafts are accepted)
+    assert stats.accept_lens == eager_stats.accept_lens and stats.accept_len_mean > (1.2 if temperature == 0 else 1.0)
 
 
 @pytest.mark.slow  # compiles a graph (or reuses the test above's)
@@ -408,8 +410,8 @@ def test_a_compiled_chain_drafts_and_writes_what_the_eager_chain_does(target, tr
 
 
 @pytest.mark.parametrize("consecutive", [False, True])
-def test_a_greedy_chain_drafts_and_writes_what_one_decode_call_per_level_does(consecutive):
-    """`Drafter.greedy_chain` builds the extend's and every level's inputs at once, over a
+def test_a_draft_chain_drafts_and_writes_what_one_decode_call_per_level_does(consecutive):
+    """`Drafter.draft_chain` builds the extend's and every level's inputs at once, over a
     right-padded backlog: its drafts and every drafter cache row a later step reads must be
     those of each request alone, its exact backlog in one `decode` call, then one call per
     level at row `cached + d - 1`. Slots out of order and backlogs of 1, 4 and 2 pairs, so
@@ -446,10 +448,10 @@ def test_a_greedy_chain_drafts_and_writes_what_one_decode_call_per_level_does(co
         rows = torch.arange(len(slot_ids))[:, None]
         span = max(max(firsts) + width, max(cached) + depth - 1)
         if consecutive:
-            got = drafter.greedy_chain(cache.kv[0], cache, slice(2, 3), tokens[rows, index], features[rows, index],
+            got = drafter.draft_chain(cache.kv[0], cache, slice(2, 3), tokens[rows, index], features[rows, index],
                                        None, None, depth, span, first=firsts[0])
         else:
-            got = drafter.greedy_chain(cache.kv[0], cache, torch.tensor(slot_ids), tokens[rows, index],
+            got = drafter.draft_chain(cache.kv[0], cache, torch.tensor(slot_ids), tokens[rows, index],
                                        features[rows, index], chain_index(firsts, cached, width, depth, "cpu"),
                                        torch.tensor(backlogs) - 1, depth, span)
     assert got.tolist() == expected
@@ -548,7 +550,7 @@ def test_a_chain_that_fails_to_compile_runs_eager(target, trained_drafter):
     plain, _ = _generate(target, _prompts(3), params, 3)
     proposer = EagleProposer(trained_drafter, compiled=True)
 
-    def no_compiler(*args):
+    def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found\ndetails")
     proposer.chain.fn = no_compiler
     spec, stats = _generate(target, _prompts(3), params, 3, proposer, "3_1_4")

@@ -15,7 +15,7 @@ from tailtamer.drafter.train import pack
 from tailtamer.errors import ConfigError
 from tailtamer.model.drafter import init_drafter, load_drafter, weights_checksum
 from tailtamer.rl.batching import response_batch
-from tailtamer.rollout.sampling import SamplingParams
+from tailtamer.rollout.sampling import SamplingParams, coupled_drafts, sample, target_probs
 from conftest import random_model
 
 T1 = SamplingParams(temperature=1.0)
@@ -210,12 +210,18 @@ def test_selective_async_checkpoint_holds_only_drafter_tensors(tmp_path):
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
 
 
-def test_chain_acceptance_is_the_target_probability_of_the_drafters_top_token():
+def test_chain_acceptance_is_the_overlap_of_the_coupled_draws():
     p = torch.tensor([[0.5, 0.3, 0.2]]).log()
-    q = torch.tensor([[0.2, 0.7, 0.1]]).log()  # the drafter proposes token 1
-    assert chain_acceptance(p, q, T1).item() == pytest.approx(0.3)  # not 1 − TV(p, q) = 0.6
-    assert chain_acceptance(p, q, SamplingParams(temperature=0)).item() == 0.0
-    # with top-p 0.6 the target samples only tokens 0 and 1, renormalised: 0.3 / 0.8
+    q = torch.tensor([[0.2, 0.7, 0.1]]).log()
+    # one uniform u: the target draws 0 on [0, .5), 1 on [.5, .8), 2 on [.8, 1); the drafter
+    # 0 on [0, .2), 1 on [.2, .9), 2 on [.9, 1): they agree on [0, .2), [.5, .8) and [.9, 1)
+    assert chain_acceptance(p, q, T1).item() == pytest.approx(0.6)
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    agree = coupled_drafts(q.expand(len(u), 3), T1, u) == sample(target_probs(p.expand(len(u), 3), T1), u)
+    assert agree.double().mean().item() == pytest.approx(0.6, abs=0.005)
+    assert chain_acceptance(p, p, T1).item() == pytest.approx(1.0)  # a drafter equal to the target
+    assert chain_acceptance(p, q, SamplingParams(temperature=0)).item() == 0.0  # greedy: argmax q = 1, not 0
+    # with top-p 0.6 the target samples tokens 0 and 1 (.625, .375), the drafter token 1 alone
     assert chain_acceptance(p, q, SamplingParams(top_p=0.6)).item() == pytest.approx(0.375)
 
 
@@ -267,7 +273,7 @@ def _bigram_target():
 def test_the_estimate_matches_the_engines_measured_accept_length():
     """On the same responses the estimate is within 5% of what the engine measured, for a
     random drafter (accept length ~1; the 1 − TV formula said 4.4 where 1.01 was measured)
-    and a trained one, sampled and greedy, chains of depth 4 and 2."""
+    and a trained one, sampled (coupled drafts) and greedy, chains of depth 4 and 2."""
     from tailtamer.drafter.train import DrafterTrainConfig, train_drafter
     from tailtamer.rollout.engine import Engine, EngineConfig
 

@@ -389,7 +389,7 @@ def test_compile_time_is_reported_in_the_step_it_was_spent(toy, model_dir, tmp_p
     from tailtamer.model.drafter import init_drafter, save_drafter
     from tailtamer.model.io import load_model
 
-    def slow_failure(*_args):
+    def slow_failure(*_args, **_kwargs):
         time.sleep(0.3)
         raise RuntimeError("no compiler")
     monkeypatch.setattr(torch, "compile", lambda fn, **_kw: slow_failure)

@@ -2,9 +2,10 @@
 the teacher-forced expected accept length, to compare drafters on the same data (the adaptive
 one against a frozen copy of the warm-up drafter) without running an SD rollout.
 
-It follows the engine's rule (rollout/speculative.py): the drafter's depth-D chain proposes its
-top-1 token d at each level, and the exact walk accepts d with probability p(d), p the
-target's processed distribution (temperature, top-p) there. Teacher-forced: level k drafts
+It follows the engine's rule (rollout/speculative.py): the drafter's depth-D chain proposes at
+each level its coupled draft (its top-1 when greedy), which the exact walk accepts with the
+probability `chain_acceptance` gives, p the target's processed distribution (temperature,
+top-p) there. Teacher-forced: level k drafts
 from the target's true features of the response rather than from its own, so the estimate
 approximates what a rollout measures, within a few percent either way (the drafter's own
 features can be better or worse inputs); how close it comes is tested against the engine.
@@ -23,11 +24,18 @@ from tailtamer.rollout.sampling import SamplingParams, target_probs
 
 
 def chain_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """α = p(d) with d = argmax q (the drafter's top-1) and p = target_probs(target_logits):
-    the probability that the exact walk accepts a deterministic draft (SpecInfer; not
-    1 − TV(p, q), which is the acceptance of a draft *sampled* from q). Shape (...)."""
-    d = draft_logits.argmax(-1, keepdim=True)
-    return torch.gather(target_probs(target_logits, params), -1, d).squeeze(-1)
+    """α, the probability that the exact walk accepts the drafter's draft, p = target_probs of
+    the target's logits and q of the drafter's. Sampled, the draft is coupled with the target's
+    draw (`coupled_drafts`: both by inverse CDF with one uniform), so α = Σ_x |[F_q(x − 1),
+    F_q(x)) ∩ [F_p(x − 1), F_p(x))|, F the CDFs in token order: 1 when q = p, and neither the
+    top-1's p(argmax q) nor 1 − TV(p, q) (the acceptance of an independent draw from q).
+    Greedy: p(argmax q), 1 or 0. Shape (...)."""
+    p = target_probs(target_logits, params)
+    if params.greedy:
+        return torch.gather(p, -1, draft_logits.argmax(-1, keepdim=True)).squeeze(-1)
+    p, q = p.double(), target_probs(draft_logits, params).double()
+    Fp, Fq = p.cumsum(-1), q.cumsum(-1)
+    return (torch.minimum(Fp, Fq) - torch.maximum(Fp - p, Fq - q)).clamp_(min=0).sum(-1)
 
 
 def expected_steps(alpha: np.ndarray, depth: int) -> float:

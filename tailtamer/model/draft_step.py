@@ -139,10 +139,14 @@ class DraftStep:
         x.addmm_(F.silu(gate).mul_(up), self.down_t)
         return x.view(B, T, H)
 
-    def greedy_chain(self, layer_cache: torch.Tensor, cache, slots, ids: torch.Tensor, hidden: torch.Tensor,
-                     index: torch.Tensor | None, last: torch.Tensor | None, depth: int, span: int, tables=None,
-                     mark=None, first: int | None = None, floor: float = 0.0) -> torch.Tensor:
-        """A whole draft chain, the top-1 tokens (B, depth; fewer with a `floor`): the extend
+    def draft_chain(self, layer_cache: torch.Tensor, cache, slots, ids: torch.Tensor, hidden: torch.Tensor,
+                    index: torch.Tensor | None, last: torch.Tensor | None, depth: int, span: int, tables=None,
+                    mark=None, first: int | None = None, floor: float = 0.0, coupled: tuple | None = None
+                    ) -> torch.Tensor:
+        """A whole draft chain (B, depth; fewer with a `floor`): at each level the top-1 token,
+        or with `coupled` = (u, draw, params) the token `draw(logits, params, u[:, d])` for level
+        d + 1 (`rollout.sampling.coupled_drafts`, passed in: this layer knows nothing of how
+        the rollout samples; u (B, depth)). The extend
         over pairs (hidden, ids) (B, W) of `slots` (pairs past `last` are padding; None: every
         row's last pair is its last column), then depth - 1 levels from each row's last pair,
         level d + 1 running the pair (ĥ, d-th draft): a plain decode step of the drafter, no
@@ -170,7 +174,8 @@ class DraftStep:
         `floor` > 0 (eager only: a Python decision per level): the chain stops after the first
         level at which every row's path probability (the product of the drafter's top-1
         probabilities so far) is below `floor`, and is shorter than `depth` (`Strategy`'s
-        `@C`)."""
+        `@C`; coupled, still the top-1 tokens' probabilities: a confidence in the drafter's
+        distribution, not in the coupled draft)."""
         B, W = ids.shape
         sizes = [W] + [1] * (depth - 1)
         calls = self._calls(index, cache, slots, span, sizes, layer_cache.dtype, tables) if first is None else \
@@ -180,7 +185,7 @@ class DraftStep:
         x = self.forward(ids, hidden, c, s, m, layer_cache, view)
         x = x.narrow(1, W - 1, 1) if last is None else x[torch.arange(B, device=ids.device), last][:, None]
         logits = F.linear(x, head)
-        tokens = [logits.argmax(-1)]  # (B, 1): the next level's ids as they are
+        tokens = [_pick(logits, coupled, 0)]  # (B, 1): the next level's ids
         path = logits.float().log_softmax(-1).amax(-1) if floor else None  # (B, 1) log path probability
         if mark is not None:
             mark(0)
@@ -189,7 +194,7 @@ class DraftStep:
                 break
             x = self.forward(tokens[-1], x, c, s, m, layer_cache, view)
             logits = F.linear(x, head)
-            tokens.append(logits.argmax(-1))
+            tokens.append(_pick(logits, coupled, d))
             if path is not None and d < depth - 1:  # the last level's is read by no decision
                 path = path + logits.float().log_softmax(-1).amax(-1)
             if mark is not None:
@@ -218,6 +223,14 @@ class DraftStep:
                 for c, s, a, q in zip(cos.split(sizes), sin.split(sizes), starts, sizes)]
 
 
+def _pick(logits: torch.Tensor, coupled: tuple | None, level: int) -> torch.Tensor:
+    """A chain level's drafts (B, 1): the top-1 tokens, or the coupled ones (`draft_chain`)."""
+    if coupled is None:
+        return logits.argmax(-1)
+    u, draw, params = coupled
+    return draw(logits, params, u.narrow(1, level, 1))
+
+
 def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
     """√H · `rms_normalize`(x) = x / √(Σx² + H·eps) over the last axis (H), in at least float32:
     a sum where `rms_normalize` takes a mean (5.1 against 6.6 µs at batch 1 on a CPU); √H is
@@ -236,7 +249,7 @@ def _same_layout(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
 
 
 def chain_index(firsts: list[int], ends: list[int], width: int, depth: int, device) -> torch.Tensor:
-    """`DraftStep.greedy_chain`'s drafter rows (B, width + depth - 1) for backlogs [first, end)
+    """`DraftStep.draft_chain`'s drafter rows (B, width + depth - 1) for backlogs [first, end)
     right-padded to `width`: first + j for the extend's pairs, then end + d - 1 for level d + 1.
     Built here from the host's numbers: one tensor instead of ~8 operations on the device,
     which right after the verify forward cost ~4 µs each at batch 1 (cold caches)."""

@@ -115,9 +115,9 @@ class Drafter(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), last]
         return self.target.lm_head(x), x
 
-    def greedy_chain(self, *args, **kwargs) -> torch.Tensor:
-        """`DraftStep.greedy_chain` with this drafter's current weights."""
-        return self.step().greedy_chain(*args, **kwargs)
+    def draft_chain(self, *args, **kwargs) -> torch.Tensor:
+        """`DraftStep.draft_chain` with this drafter's current weights."""
+        return self.step().draft_chain(*args, **kwargs)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         return KVCache(self.config, slots, max_len, self.fc.weight.device, self.fc.weight.dtype)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tailtamer.model.draft_step import chain_index
 from tailtamer.model.transformer import rotary_tables
 from tailtamer.rollout.proposer import Proposer
+from tailtamer.rollout.sampling import SamplingParams, TargetDraws, coupled_drafts
 from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.stats import PHASES
 
@@ -39,8 +40,26 @@ def _chain_shape(batch: int, depth: int, device: torch.device):
             torch.ones(batch, depth + 1, dtype=torch.bool, device=device))
 
 
+def children(logits: torch.Tensor, k: int, u: torch.Tensor | None = None, params: SamplingParams | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability scores, tokens) (..., k) of a draft node's k children from the drafter's
+    logits (..., V): its top-k tokens, or with the uniforms u (...) the target will draw after
+    the node with, the coupled draft (`coupled_drafts`) first, scored as the top-1 (it is the
+    child the target's draw most likely takes), then the top k − 1 of the rest: distinct."""
+    logp = torch.log_softmax(logits.float(), -1)
+    if u is None:
+        return logp.topk(k, dim=-1)
+    c = coupled_drafts(logits, params, u)[..., None]
+    best = logp.amax(-1, keepdim=True)
+    if k == 1:
+        return best, c
+    rest = logp.scatter(-1, c, float("-inf")).topk(k - 1, dim=-1)
+    return torch.cat((best, rest.values), -1), torch.cat((c, rest.indices), -1)
+
+
 def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: torch.Tensor,
-               root_hidden: torch.Tensor, pending: torch.Tensor, strategy: Strategy, max_start: int) -> Tree:
+               root_hidden: torch.Tensor, pending: torch.Tensor, strategy: Strategy, max_start: int,
+               draws: tuple[torch.Tensor, SamplingParams] | None = None) -> Tree:
     """EAGLE-2 style dynamic tree (Li et al. 2024b): expand the top-k beams by cumulative draft
     log-probability for `depth` levels, then keep the N-1 best of all candidates. With a
     confidence (D_K_N@C), expansion stops once every request's best beam is below C (deeper
@@ -49,12 +68,14 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
     root_logits / root_hidden: the drafter's output for pair (h_{n-1}, s) with s pending, i.e.
     its guess of the distribution after s. Draft rows of depth-d beams go to drafter cache
     rows starts + (d-1)K + i at position starts - 1 + d; each beam attends to its ancestors'
-    rows only (a window mask over all draft rows of this step).
+    rows only (a window mask over all draft rows of this step). `draws` = (u (B, depth), the
+    target's params): each node's first child is its coupled draft (`children`), level d + 1
+    drafted with u[:, d].
     """
     B, K, D = batch, strategy.topk, strategy.depth
     dev = root_logits.device
-    logp = torch.log_softmax(root_logits.float(), -1)
-    score, tok = logp.topk(K, dim=-1)  # (B, K)
+    u, params = draws if draws is not None else (None, None)
+    score, tok = children(root_logits, K, None if u is None else u[:, 0], params)  # (B, K)
     cand_tok, cand_score = [tok], [score]
     cand_parent = [torch.full((B, K), -1, device=dev)]
     cand_depth = [torch.ones(B, K, dtype=torch.long, device=dev)]
@@ -76,7 +97,7 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
         logits, hidden = drafter.decode(beam_tok, beam_hidden, cache, slice(0, B), starts + (d - 1) * K,
                                         positions, mask, span=max_start + d * K)
         PHASES.mark(f"sd: draft level {d + 1}")
-        child_score, child_tok = torch.log_softmax(logits.float(), -1).topk(K, dim=-1)  # (B, K, K)
+        child_score, child_tok = children(logits, K, None if u is None else u[:, d, None].expand(B, K), params)
         child_score = beam_score[:, :, None] + child_score
         cand_tok.append(child_tok.reshape(B, K * K))
         cand_score.append(child_score.reshape(B, K * K))
@@ -119,7 +140,7 @@ BUCKETS = (1, 2, 4, 8)  # batch sizes of the compiled chains (at 16 eager is as 
 
 class CompiledChain:
     """Draft chains compiled with `torch.compile`, as gpt-fast and nano-vllm compile their
-    decode steps: `DraftStep.greedy_chain`, the extend and every level in one graph. Eager, a
+    decode steps: `DraftStep.draft_chain`, the extend and every level in one graph. Eager, a
     depth-4 chain at batch 1 is ~250 tensor operations of a few microseconds each, plus a
     Python round trip per level (since the drafter's cheaper inference step, about as fast
     as this graph: `bench profile`).
@@ -143,7 +164,7 @@ class CompiledChain:
         # cpp_wrapper on a CPU: the graph's ~100 kernel calls from C++, not from generated Python
         # (a depth-4 chain at batch 1: 0.48 -> 0.41 ms in the engine, and it compiles no slower)
         options = {"compile_threads": 1, "cpp_wrapper": drafter.fc.weight.device.type == "cpu"}
-        self.fn = torch.compile(drafter.step().greedy_chain, dynamic=True, fullgraph=True, options=options)
+        self.fn = torch.compile(drafter.step().draft_chain, dynamic=True, fullgraph=True, options=options)
         self.ready: set[tuple[int, int]] = set()  # (bucket, depth) compiled
         self.seconds = 0.0
         self.error: str | None = None
@@ -153,19 +174,23 @@ class CompiledChain:
         b = next((b for b in BUCKETS if b >= batch), None)
         return b if self.fn is not None and b is not None and b <= cache.slots else None
 
-    def __call__(self, cache, ids, hidden, index, last, depth: int, span: int, bucket: int) -> torch.Tensor | None:
+    def __call__(self, cache, ids, hidden, index, last, depth: int, span: int, bucket: int,
+                 coupled: tuple | None = None) -> torch.Tensor | None:
         """The (B, depth) drafts, or None if the graph failed to compile."""
         B, pad = ids.shape[0], bucket - ids.shape[0]
         if pad:
             ids, index, last = F.pad(ids, (0, 0, 0, pad)), F.pad(index, (0, 0, 0, pad)), F.pad(last, (0, pad))
             hidden = F.pad(hidden, (0, 0, 0, 0, 0, pad))
+            if coupled is not None:  # the padding rows' draws: any uniform in (0, 1)
+                coupled = (F.pad(coupled[0], (0, 0, 0, pad), value=0.5), *coupled[1:])
         w = self.drafter.fc.weight
         tables = rotary_tables(self.drafter.config, w.device, w.dtype)
         self.drafter.step()  # its weights current: the graph reads them
         new, t0 = (bucket, depth) not in self.ready, time.perf_counter()
         try:  # dynamo keeps 8 graphs per function by default, fewer than buckets x depths
             with torch._dynamo.config.patch(cache_size_limit=8 * len(BUCKETS)) if new else nullcontext():
-                drafts = self.fn(cache.kv[0], cache, slice(0, bucket), ids, hidden, index, last, depth, span, tables)[:B]
+                drafts = self.fn(cache.kv[0], cache, slice(0, bucket), ids, hidden, index, last, depth, span, tables,
+                                 coupled=coupled)[:B]
         except Exception as e:  # no C++ compiler, an unsupported op, a bug: the eager chain still works
             self.fn, self.error, drafts = None, f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}", None
         if new or drafts is None:  # compiling (or failing to), charged to no step
@@ -189,6 +214,7 @@ class EagleProposer(Proposer):
         self.queued: list[tuple] = []  # steps' observations not yet written (`observe`)
         self.chained: list[int] | None = None  # per request, where the last chain's extend ended
         self.recent: tuple | None = None  # (firsts, features, tokens) the SD step observed from there
+        self.draws: TargetDraws | None = None  # how the target draws this generate's tokens (None: greedy)
 
     @property
     def setup_s(self) -> float:
@@ -220,6 +246,9 @@ class EagleProposer(Proposer):
             self.cache = self.drafter.new_cache(slots, 2 * max_len)
         self.drafted = [0] * self.features.shape[0]
         self.queued, self.chained, self.recent = [], None, None
+
+    def couple(self, draws: TargetDraws | None) -> None:
+        self.draws = draws
 
     def admit(self, requests: list) -> None:
         for r in requests:
@@ -342,7 +371,7 @@ class EagleProposer(Proposer):
         return self.drafter.decode(ids, hidden, self.cache, slots, starts, span=span, last=last)
 
     def _chain(self, running: list, depth: int, floor: float = 0.0) -> Tree:
-        """A chain (strategy D_1_(D+1)): `Drafter.greedy_chain` over each request's backlog,
+        """A chain (strategy D_1_(D+1)): `Drafter.draft_chain` over each request's backlog,
         compiled (`CompiledChain`) where it applies (a compiled bucket, a backlog of at most
         depth + 1 pairs, a fixed depth), else eager. The backlog is the last SD step's pairs
         when they are it (`observe`), else gathered from `features`; its last pair's token is
@@ -378,16 +407,17 @@ class EagleProposer(Proposer):
         pending = ids.narrow(1, W - 1, 1) if last is None else ids.gather(1, last[:, None])
         index = None if same else chain_index(firsts, ends, W, depth, ids.device)
         span = max(max(firsts) + W, max(ends) + depth - 1)
+        coupled = None if self.draws is None else (self.draws.ahead(running, depth), coupled_drafts, self.draws.params)
         drafts = None
         if bucket is not None:
-            drafts = self.chain(self.cache, ids, hidden, index, last, depth, span, bucket)
+            drafts = self.chain(self.cache, ids, hidden, index, last, depth, span, bucket, coupled)
             if drafts is not None:
                 PHASES.mark("sd: draft chain (compiled)")
         if drafts is None:  # eager, or the graph failed to compile
-            drafts = self.drafter.greedy_chain(
+            drafts = self.drafter.draft_chain(
                 self.cache.kv[0], self.cache, slice(0, len(running)), ids, hidden, index, last, depth, span,
                 mark=lambda d: PHASES.mark(f"sd: draft level {d + 1}" if d else "sd: drafter extend (draft level 1)"),
-                first=firsts[0] if same else None, floor=floor)
+                first=firsts[0] if same else None, floor=floor, coupled=coupled)
         self.chained = ends
         return chain_tree(torch.cat((pending, drafts), 1))
 
@@ -399,5 +429,6 @@ class EagleProposer(Proposer):
         pending = self.next_tokens[torch.arange(len(running), device=starts.device), starts - 1]
         logits, out = self._extend(running, [r.cached for r in running])
         PHASES.mark("sd: drafter extend (draft level 1)")
+        draws = None if self.draws is None else (self.draws.ahead(running, strategy.depth), self.draws.params)
         return eagle_tree(self.drafter, self.cache, len(running), starts, logits, out, pending, strategy,
-                          max(r.cached for r in running))
+                          max(r.cached for r in running), draws)

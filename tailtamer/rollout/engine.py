@@ -35,7 +35,7 @@ from tailtamer.config_fields import at_least, f
 from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.transformer import KVCache, Transformer
 from tailtamer.token_budget import token_budget_chunks
-from tailtamer.rollout.sampling import SamplingParams, request_key, sample, target_probs, uniforms
+from tailtamer.rollout.sampling import SamplingParams, TargetDraws, request_key, sample, target_probs, uniforms
 from tailtamer.rollout.speculative import Strategy, accept
 from tailtamer.rollout.speculator import Speculator
 from tailtamer.rollout.stats import PHASES, RolloutStats
@@ -208,6 +208,7 @@ class Engine:
             verify = max(st.width for st in strategies)
             draft_rows = max(((st.depth - 1) * st.topk for st in strategies if not st.model_free), default=0)
             spec.proposer.reserve(slots, longest + max(verify, draft_rows) + 1)
+            spec.proposer.couple(None if params.greedy else TargetDraws(params, self._uniforms))
             longest += verify
         cache = self._cache_for(slots, longest)
         queue, running, done = deque(requests), [], []

@@ -52,6 +52,9 @@ class FusedProposer(Proposer):
         self.eagle.reserve(slots, max_len)
         self.suffix.reserve(slots, max_len)
 
+    def couple(self, draws) -> None:
+        self.eagle.couple(draws)
+
     def admit(self, requests: list) -> None:
         self.eagle.admit(requests)
         self.suffix.admit(requests)

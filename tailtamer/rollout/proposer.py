@@ -3,6 +3,9 @@
 The engine calls, in this order:
   reserve(slots, max_len)   once per `generate`, before anything else: size (and clear) its
                             per-slot state;
+  couple(draws)             once per `generate`, after reserve: how the target will draw this
+                            call's tokens (`sampling.TargetDraws`; None when greedy), for a
+                            drafter that drafts `coupled_drafts`;
   admit(requests)           requests that have just taken their slots, before their prefill
                             is observed (siblings share a prompt index);
   observe(slots, positions, hidden, next_tokens)
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from tailtamer.rollout.sampling import TargetDraws
 from tailtamer.rollout.speculative import Strategy, Tree
 
 
@@ -39,6 +43,9 @@ class Proposer:
     notice: str | None = None
 
     def reserve(self, slots: int, max_len: int) -> None:
+        pass
+
+    def couple(self, draws: TargetDraws | None) -> None:
         pass
 
     def admit(self, requests: list) -> None:
