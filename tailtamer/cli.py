@@ -201,7 +201,8 @@ def cmd_drafter_train(args) -> None:
 
     fresh_output_dir(args.out, "--out")
     cfg = replace(DrafterTrainConfig(fc_bias=not args.no_fc_bias),
-                  **{k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed)) if v is not None})
+                  **{k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed), ("unroll", args.unroll))
+                     if v is not None})
     model, tokenizer = load_pretrained(args.model)
     if args.data == "builtin":
         from tailtamer.tasks.arithmetic import ArithmeticTask
@@ -393,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--steps", type=int, help=f"optimizer steps (default {DrafterTrainConfig().steps})")
     dt.add_argument("--lr", type=float, help=f"peak AdamW learning rate (default {DrafterTrainConfig().lr})")
     dt.add_argument("--seed", type=seed, help="data order and initialisation")
+    dt.add_argument("--unroll", type=int, help=f"drafting levels trained per pair, the later ones on the drafter's "
+                                               f"own features (default {DrafterTrainConfig().unroll}; 1: EAGLE-1's)")
     dt.add_argument("--no-fc-bias", action="store_true",
                     help="no bias in the drafter's fc: vLLM's EAGLE loader has none (for --backend vllm)")
     dt.set_defaults(func=cmd_drafter_train)

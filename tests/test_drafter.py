@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tailtamer.drafter.train import DrafterTrainConfig, eagle_loss, eagle_pairs, train_drafter
+from tailtamer.drafter.train import DrafterTrainConfig, eagle_loss, eagle_pairs, pack, train_drafter, unrolled_loss
 from tailtamer.errors import CheckpointError, ConfigError
 from tailtamer.model.drafter import init_drafter, load_drafter, save_drafter, weights_checksum
 from conftest import random_model, tiny_config
@@ -143,7 +143,7 @@ def test_training_improves_agreement_and_never_touches_the_target(target):
     seqs = [(torch.randint(5, 30, (4,), generator=gen).tolist() * 8) for _ in range(40)]
     before = {k: v.clone() for k, v in target.state_dict().items()}
     flags = [p.requires_grad for p in target.parameters()]
-    drafter, info = train_drafter(target, seqs, DrafterTrainConfig(steps=80, batch_size=8, lr=3e-3),
+    drafter, info = train_drafter(target, seqs, DrafterTrainConfig(steps=200, batch_size=8, lr=3e-3),
                                   log=lambda _: None)
     assert info["final"]["top1"] > 0.5
     assert info["final"]["loss"] < 0.8 * _first_loss(target, seqs)
@@ -204,7 +204,7 @@ def _first_loss(target, seqs):
 
 
 @pytest.mark.parametrize("kwargs", [{"steps": 0}, {"value_weight": 0.0, "prob_weight": 0.0}, {"prob_weight": -1.0},
-                                    {"feature_cache_mb": -1}])
+                                    {"feature_cache_mb": -1}, {"unroll": 0}])
 def test_bad_training_config(kwargs):
     with pytest.raises(ConfigError):
         DrafterTrainConfig(**kwargs)
@@ -301,3 +301,45 @@ def test_a_drafter_built_under_inference_mode_decodes():
         step, _ = drafter.decode(seq[:, 1:], h[:, :-1], drafter.new_cache(1, 32), slice(0, 1), torch.tensor([0]))
     # logits up to ~200 here: float32 rounding of sums taken in another order (the float64 test is exact)
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("unroll", [2, 3])
+def test_an_unrolled_level_is_what_a_chain_drafts_there(target, monkeypatch, unroll):
+    """Level m + 1 of `unrolled_loss` at row j computes what a drafter run over the true pairs
+    0..j, then its own levels 2..m + 1 (each fed the level before's feature and the next true
+    token), gives at its last row; its loss is taken against row j + m's targets, and only
+    inside row j's sequence (two packed sequences)."""
+    drafter = _perturbed_drafter(target.double(), 3)
+    g = torch.Generator().manual_seed(4)
+    lengths, H = [7, 5], target.config.hidden_size
+    samples = [(torch.randint(3, 90, (n,), generator=g), torch.randn(n, H, generator=g, dtype=torch.float64),
+                torch.randn(n, H, generator=g, dtype=torch.float64), torch.rand(n, generator=g) < 0.8) for n in lengths]
+    tokens, h_in, h_next, mask, positions, attn = pack(samples)
+    target_logits = torch.randn(1, sum(lengths), target.config.vocab_size, generator=g, dtype=torch.float64)
+    seen = []
+    monkeypatch.setattr("tailtamer.drafter.train.eagle_loss", lambda *a: seen.append(a) or eagle_loss(*a))
+    loss, vloss, ploss, _ = unrolled_loss(drafter, tokens, h_in, h_next, target_logits, mask, positions, attn, unroll)
+    assert len(seen) == unroll
+    T = tokens.shape[1]
+    starts = [0, lengths[0]]
+    with torch.no_grad():
+        for m in range(1, unroll):
+            got_hidden, got_target, got_mask = seen[m][0][0], seen[m][2][0], seen[m][4][0]
+            for seq, (start, n) in enumerate(zip(starts, lengths)):
+                for j in range(start, start + n):
+                    counted = j + m < start + n and bool(mask[0, j + m])
+                    assert bool(got_mask[j]) == counted, (m, j)
+                    if j + m >= start + n:
+                        continue
+                    # the true pairs up to j, then levels 2..m + 1 at positions j + 1 .. j + m
+                    ids, feats = tokens[0, start: j + 1].tolist(), [h_in[0, start: j + 1]]
+                    _, out = drafter(torch.tensor([ids]), feats[0][None])
+                    last = out[0, -1:]
+                    for k in range(1, m + 1):
+                        ids.append(int(tokens[0, j + k]))
+                        feats.append(last)
+                        _, out = drafter(torch.tensor([ids]), torch.cat(feats)[None])
+                        last = out[0, -1:]
+                    torch.testing.assert_close(got_hidden[j], last[0])
+                    torch.testing.assert_close(got_target[j], h_next[0, j + m])
+    assert torch.isfinite(loss) and loss > seen[0][0].new_tensor(0)

@@ -21,7 +21,7 @@ import torch
 
 from tailtamer.config_fields import at_least, f, positive
 from tailtamer.drafter.buffer import DataBuffer, pairs
-from tailtamer.drafter.train import eagle_loss, pack
+from tailtamer.drafter.train import pack, unrolled_loss
 from tailtamer.errors import ConfigError, WriteError
 from tailtamer.model.drafter import Drafter, drafter_tensors, write_drafter
 from tailtamer.adamw import adamw
@@ -35,11 +35,14 @@ class SpotConfig:
     window_s: float = f(2.0, "single worker: seconds of drafter training after each rollout")
     max_steps: int = f(200, "drafter steps per RL step at most")
     lr: float = f(5e-4, "AdamW learning rate of the drafter")
-    tokens_per_step: int = f(512, "packed tokens per drafter step (a step is the preemption latency); a longer "
-                                  "response gives a random window of this many")
+    tokens_per_step: int = f(256, "packed tokens per drafter step (a step is the preemption latency: ~10 ms on "
+                                  "a CPU core with unroll 2, as 512 took with unroll 1); a longer response gives a "
+                                  "random window of this many")
     buffer_mb: int = f(256, "DataBuffer budget (MiB); the oldest entries are dropped beyond it")
     long_quantile: float = f(0.5, "one-step offset: previous-step responses at least this length quantile")
     compare_frozen: bool = f(True, "also score the warm-up drafter on each step's fresh data (in idle time)")
+    unroll: int = f(2, "drafting levels trained per pair, the later ones on the drafter's own features (as the "
+                       "warm-up's unroll, so online training keeps what it taught the deeper levels)")
 
     def __post_init__(self):
         if self.single_worker not in ("never", "window"):
@@ -48,7 +51,7 @@ class SpotConfig:
         if not 0 <= self.long_quantile < 1:
             raise ConfigError(f"spot.long_quantile must be in [0, 1), got {self.long_quantile}")
         at_least(self, "spot", 0, "window_s")
-        at_least(self, "spot", 1, "tokens_per_step", "buffer_mb")
+        at_least(self, "spot", 1, "tokens_per_step", "buffer_mb", "unroll")
         at_least(self, "spot", 0, "max_steps")
 
 
@@ -96,10 +99,10 @@ class SpotTrainer:
         flags = [p.requires_grad for p in target.parameters()]
         target.requires_grad_(False)  # gradients reach the drafter only, never the policy
         try:
-            pred_logits, pred_hidden = self.drafter(tokens, h_in.to(dtype), positions, attn)
             with torch.no_grad():
                 target_logits = target.lm_head(h_next.to(dtype))
-            loss, _, _ = eagle_loss(pred_hidden, pred_logits, h_next.to(dtype), target_logits, mask)
+            loss, _, _, _ = unrolled_loss(self.drafter, tokens, h_in.to(dtype), h_next.to(dtype), target_logits, mask,
+                                          positions, attn, self.cfg.unroll)
             if should_stop():
                 return None
             self.optimizer.zero_grad(set_to_none=True)
