@@ -109,7 +109,8 @@ def test_eagle_drafts_each_level_with_the_uniform_its_parents_draw_uses(target, 
         rows = torch.tensor([r.row for r in running])[:, None]
         index = torch.tensor([len(r.output_ids) for r in running])[:, None] + torch.arange(st.depth)
         # past a response's budget the draws share the last column (and are discarded)
-        expected.append(engine._uniforms[rows, index.clamp(max=engine._uniforms.shape[1] - 1)])  # (B, depth)
+        table = engine._draws.uniforms
+        expected.append(table[rows, index.clamp(max=table.shape[1] - 1)])  # (B, depth)
         return propose(self, running, starts, st)
 
     def spy_draws(logits, params, u):

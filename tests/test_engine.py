@@ -137,7 +137,7 @@ def test_a_response_limit_past_the_context_costs_only_the_context():
     engine = Engine(random_model(), config=EngineConfig(max_seq_len=24), eos_ids=())
     params = SamplingParams(temperature=1.0, n=3, seed=4)
     huge, _ = engine.generate([[5] * 15, [6] * 4], replace(params, max_new_tokens=10**10))
-    assert engine._uniforms.shape == (6, 24 - 4 + 1)
+    assert engine._draws.uniforms.shape == (6, 24 - 4 + 1)
     fits, _ = engine.generate([[5] * 15, [6] * 4], replace(params, max_new_tokens=20))
     assert [c.token_ids for c in huge] == [c.token_ids for c in fits]
     assert [len(c.token_ids) for c in huge] == [9] * 3 + [20] * 3

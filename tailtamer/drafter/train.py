@@ -112,15 +112,15 @@ def unrolled_loss(drafter, tokens, h_in, h_next, target_logits, mask, positions=
     before the last are computed without gradients; one forward over all `unroll` levels
     (unroll × T rows) carries them. Returns (loss, value loss, probability loss, level 1's
     logits), the two parts summed over levels."""
+    if unroll == 1:  # the drafter's own causal default where no mask is given
+        logits, hidden = drafter(tokens, h_in, positions, attn)
+        return (*eagle_loss(hidden, logits, h_next, target_logits, mask, value_weight, prob_weight), logits)
     B, T = tokens.shape
     dev = tokens.device
     if positions is None:
         positions = torch.arange(T, device=dev).expand(B, T)
     if attn is None:
         attn = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
-    if unroll == 1:
-        logits, hidden = drafter(tokens, h_in, positions, attn)
-        return (*eagle_loss(hidden, logits, h_next, target_logits, mask, value_weight, prob_weight), logits)
     # row j of level m + 1 against row j + m: the shifted targets and who counts
     shift = [torch.arange(T, device=dev).add(m).clamp(max=T - 1) for m in range(unroll)]
     counted = [mask if m == 0 else mask[:, shift[m]] & attn[:, shift[m], torch.arange(T, device=dev)]

@@ -150,7 +150,7 @@ class Engine:
         self.max_seq_len = min(config.max_seq_len or model.config.max_position_embeddings,
                                model.config.max_position_embeddings)
         self._cache: KVCache | None = None
-        self._uniforms: torch.Tensor | None = None  # (requests, longest response + 1) of this generate
+        self._draws: TargetDraws | None = None  # this generate's sampling parameters and uniforms (None: greedy)
 
     @property
     def proposer(self):
@@ -199,16 +199,16 @@ class Engine:
         # as wide as the longest response can be (max_new_tokens may exceed the context; draws
         # past a request's budget are discarded, so they may share the last column)
         self._logprobs = params.logprobs
-        self._uniforms = None if params.greedy else uniforms(
+        self._draws = None if params.greedy else TargetDraws(params, uniforms(
             torch.tensor([r.key for r in requests], device=device),
-            torch.arange(max(r.max_new_tokens for r in requests) + 1, device=device)[None])
+            torch.arange(max(r.max_new_tokens for r in requests) + 1, device=device)[None]))
         spec = self.speculator
         if spec is not None:
             strategies = spec.tuner.strategies
             verify = max(st.width for st in strategies)
             draft_rows = max(((st.depth - 1) * st.topk for st in strategies if not st.model_free), default=0)
             spec.proposer.reserve(slots, longest + max(verify, draft_rows) + 1)
-            spec.proposer.couple(None if params.greedy else TargetDraws(params, self._uniforms))
+            spec.proposer.couple(self._draws)
             longest += verify
         cache = self._cache_for(slots, longest)
         queue, running, done = deque(requests), [], []
@@ -323,10 +323,8 @@ class Engine:
             tokens = logits.argmax(-1)
             probs = torch.softmax(logits.float(), -1) if params.logprobs else None
         else:
-            rows = torch.tensor([r.row for r in requests], device=logits.device)[:, None]
-            u = self._uniforms[rows, indices.clamp(max=self._uniforms.shape[1] - 1)]
             probs = target_probs(logits, params)
-            tokens = sample(probs, u)
+            tokens = sample(probs, self._draws.at(requests, indices))
         tokens = torch.where(torch.isfinite(logits.sum(-1)), tokens, -1)
         return tokens, probs.gather(-1, tokens.clamp(min=0)[..., None])[..., 0].log() if params.logprobs else None
 

@@ -165,11 +165,16 @@ class TargetDraws:
     params: SamplingParams
     uniforms: torch.Tensor
 
+    def at(self, requests: list, indices: torch.Tensor) -> torch.Tensor:
+        """The uniforms (B, q) that draw response indices `indices` (B, q) of `requests`: the
+        engine's draws and a proposer's coupled drafts read them here alike. Indices past a
+        request's budget share the last column (their draws are discarded)."""
+        rows = torch.tensor([r.row for r in requests], device=self.uniforms.device)[:, None]
+        return self.uniforms[rows, indices.clamp(max=self.uniforms.shape[1] - 1)]
+
     def ahead(self, requests: list, depth: int) -> torch.Tensor:
         """(B, depth): for each request, the uniforms of the next `depth` response indices
         from len(output_ids): column k is the one the target draws the token after a draft
         tree's depth-k node with, so a level-(k + 1) draft is coupled with it."""
-        rows = torch.tensor([r.row for r in requests], device=self.uniforms.device)
         first = torch.tensor([len(r.output_ids) for r in requests], device=self.uniforms.device)
-        index = (first[:, None] + torch.arange(depth, device=first.device)).clamp_(max=self.uniforms.shape[1] - 1)
-        return self.uniforms[rows[:, None], index]
+        return self.at(requests, first[:, None] + torch.arange(depth, device=first.device))
