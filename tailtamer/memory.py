@@ -73,9 +73,10 @@ Rough pieces (documented models, meant to be conservative but not absurd):
                 tokens (~M·(2a + (2b + 24)·V) + M², see `_drafter_training_bytes`).
   samples       R·len·SAMPLE_TOKEN_BYTES for the R requests of a step (prompts x group_size of the
                 worker's shard, or an evaluation's), each up to len tokens: its token lists
-                (Python ints), its row of sampling uniforms (float64) and the update's tensors
-                of it (ids, masks, log-probs, advantages). Live through the rollout and the
-                update.
+                (Python ints) and the update's tensors of it (ids, masks, log-probs,
+                advantages); and the sampling noise kept for them, R·NOISE_WINDOW·V float64 up
+                to NOISE_BUDGET (rollout/sampling.py `TargetDraws`). Live through the rollout
+                and the update.
 
 total = persistent + max(rollout_activations, update_weights + activations + logits), where
 persistent = policy + master + grads + optimizer + rollout_copy + reference + kv_cache +
@@ -96,6 +97,7 @@ from typing import TYPE_CHECKING, Callable
 
 from tailtamer.errors import ConfigError
 from tailtamer.model.config import ModelConfig
+from tailtamer.rollout.sampling import NOISE_BUDGET, NOISE_WINDOW
 
 if TYPE_CHECKING:
     from tailtamer.config import TrainConfig
@@ -104,8 +106,8 @@ MARGIN = 0.10  # of the available memory, kept free (fragmentation, CUDA context
 MEMINFO = "/proc/meminfo"
 # In order of preference when two pieces tie for the largest (the refusal names the first).
 PERSISTENT = ("policy", "master", "grads", "optimizer", "reference", "kv_cache", "drafter", "rollout_copy", "samples")
-# a token of a request: a list slot and int object (36), a uniform (8), the update's ids, mask and
-# float32 log-probs and advantage (8 + 1 + 12), rounded up
+# a token of a request: a list slot and int object (36), the update's ids, mask and float32
+# log-probs and advantage (8 + 1 + 12), rounded up
 SAMPLE_TOKEN_BYTES = 64
 PIECES = PERSISTENT + ("update_weights", "activations", "logits", "rollout_activations")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
@@ -263,7 +265,7 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
         "reference": P * c if reference else 0,
         "kv_cache": kv_cache_bytes(cfg, slots, cache_len, cache_bytes),
         "drafter": 0,
-        "samples": requests * cache_len * SAMPLE_TOKEN_BYTES,
+        "samples": requests * cache_len * SAMPLE_TOKEN_BYTES + min(requests * NOISE_WINDOW * cfg.vocab_size * 8, NOISE_BUDGET),
         "update_weights": casts + gathered,
         "activations": update_activation_bytes(cfg, b, tokens, seq_len, grad_checkpointing, scores, c),
         "logits": logits_bytes(cfg.vocab_size, tokens, c, entropy),

@@ -12,7 +12,7 @@ from tailtamer.model.io import load_model
 from tailtamer.model.tokenizer import char_tokenizer
 import tailtamer.rollout.engine as engine_module
 from tailtamer.rollout.engine import Engine, EngineConfig
-from tailtamer.rollout.sampling import SamplingParams, target_probs
+from tailtamer.rollout.sampling import NOISE_WINDOW, SamplingParams, target_probs
 from conftest import random_model, tiny_config
 
 
@@ -132,12 +132,12 @@ def test_context_limit_ends_with_length(model_dir):
 
 
 def test_a_response_limit_past_the_context_costs_only_the_context():
-    """max_new_tokens far beyond the context: the sampling table is as wide as the longest
-    response can be (it was max_new_tokens wide: 480 GB here), and the draws are the same."""
+    """max_new_tokens far beyond the context: the sampling noise kept per request does not
+    grow with it (a table max_new_tokens wide would be 480 GB here), and the draws are the same."""
     engine = Engine(random_model(), config=EngineConfig(max_seq_len=24), eos_ids=())
     params = SamplingParams(temperature=1.0, n=3, seed=4)
     huge, _ = engine.generate([[5] * 15, [6] * 4], replace(params, max_new_tokens=10**10))
-    assert engine._draws.uniforms.shape == (6, 24 - 4 + 1)
+    assert engine._draws.table.shape == (6, NOISE_WINDOW, engine.model.config.vocab_size)
     fits, _ = engine.generate([[5] * 15, [6] * 4], replace(params, max_new_tokens=20))
     assert [c.token_ids for c in huge] == [c.token_ids for c in fits]
     assert [len(c.token_ids) for c in huge] == [9] * 3 + [20] * 3

@@ -15,7 +15,7 @@ from tailtamer.drafter.train import pack
 from tailtamer.errors import ConfigError
 from tailtamer.model.drafter import init_drafter, load_drafter, weights_checksum
 from tailtamer.rl.batching import response_batch
-from tailtamer.rollout.sampling import SamplingParams, coupled_drafts, sample, target_probs
+from tailtamer.rollout.sampling import SamplingParams, coupled_drafts, gumbels, request_key, sample, target_probs
 from conftest import random_model
 
 T1 = SamplingParams(temperature=1.0)
@@ -210,19 +210,22 @@ def test_selective_async_checkpoint_holds_only_drafter_tensors(tmp_path):
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
 
 
-def test_chain_acceptance_is_the_overlap_of_the_coupled_draws():
+def test_chain_acceptance_is_the_agreement_of_the_coupled_draws():
     p = torch.tensor([[0.5, 0.3, 0.2]]).log()
     q = torch.tensor([[0.2, 0.7, 0.1]]).log()
-    # one uniform u: the target draws 0 on [0, .5), 1 on [.5, .8), 2 on [.8, 1); the drafter
-    # 0 on [0, .2), 1 on [.2, .9), 2 on [.9, 1): they agree on [0, .2), [.5, .8) and [.9, 1)
-    assert chain_acceptance(p, q, T1).item() == pytest.approx(0.6)
-    u = torch.rand(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    agree = coupled_drafts(q.expand(len(u), 3), T1, u) == sample(target_probs(p.expand(len(u), 3), T1), u)
-    assert agree.double().mean().item() == pytest.approx(0.6, abs=0.005)
+    # Σ_x 1 / Σ_y max(p_y / p_x, q_y / q_x): x = 0: 1 / (1 + 3.5 + .5); x = 1: 1 / (5/3 + 1 + 2/3);
+    # x = 2: 1 / (2.5 + 7 + 1)
+    assert chain_acceptance(p, q, T1).item() == pytest.approx(1 / 5 + 3 / 10 + 2 / 21)
+    keys = torch.tensor([request_key(0, i, 0) for i in range(200_000)])
+    noise = gumbels(keys, torch.zeros(len(keys), 1, dtype=torch.long), 3)[:, 0]
+    agree = coupled_drafts(q.expand(len(keys), 3), T1, noise) == sample(target_probs(p.expand(len(keys), 3), T1), noise)
+    assert agree.double().mean().item() == pytest.approx(1 / 5 + 3 / 10 + 2 / 21, abs=0.005)
     assert chain_acceptance(p, p, T1).item() == pytest.approx(1.0)  # a drafter equal to the target
     assert chain_acceptance(p, q, SamplingParams(temperature=0)).item() == 0.0  # greedy: argmax q = 1, not 0
     # with top-p 0.6 the target samples tokens 0 and 1 (.625, .375), the drafter token 1 alone
     assert chain_acceptance(p, q, SamplingParams(top_p=0.6)).item() == pytest.approx(0.375)
+    # the sum over p's 2 likeliest tokens leaves out x = 2's term, at most p_2
+    assert chain_acceptance(p, q, T1, terms=2).item() == pytest.approx(1 / 5 + 3 / 10)
 
 
 def test_expected_steps_by_hand():

@@ -23,19 +23,34 @@ from tailtamer.drafter.train import pack
 from tailtamer.rollout.sampling import SamplingParams, target_probs
 
 
-def chain_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def chain_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, params: SamplingParams,
+                     terms: int = 128) -> torch.Tensor:
     """α, the probability that the exact walk accepts the drafter's draft, p = target_probs of
     the target's logits and q of the drafter's. Sampled, the draft is coupled with the target's
-    draw (`coupled_drafts`: both by inverse CDF with one uniform), so α = Σ_x |[F_q(x − 1),
-    F_q(x)) ∩ [F_p(x − 1), F_p(x))|, F the CDFs in token order: 1 when q = p, and neither the
-    top-1's p(argmax q) nor 1 − TV(p, q) (the acceptance of an independent draw from q).
-    Greedy: p(argmax q), 1 or 0. Shape (...)."""
+    draw (`coupled_drafts`: both argmax_x (ln · + g_x) with the same Gumbel noise g), and both
+    take x exactly when g_x − g_y > max(ln p_y − ln p_x, ln q_y − ln q_x) for every y ≠ x: by the
+    Gumbel-max trick that is x winning a draw from logits c_y = max(…), c_x = 0, so
+        α = Σ_x 1 / Σ_y max(p_y / p_x, q_y / q_x),
+    1 when q = p, and neither the top-1's p(argmax q) nor 1 − TV(p, q) (an independent draw's).
+    The sum runs over the `terms` most likely x under p (term x is at most p_x, so that leaves
+    out at most p's mass beyond them). Greedy: p(argmax q), 1 or 0. Shape (...)."""
     p = target_probs(target_logits, params)
     if params.greedy:
         return torch.gather(p, -1, draft_logits.argmax(-1, keepdim=True)).squeeze(-1)
-    p, q = p.double(), target_probs(draft_logits, params).double()
-    Fp, Fq = p.cumsum(-1), q.cumsum(-1)
-    return (torch.minimum(Fp, Fq) - torch.maximum(Fp - p, Fq - q)).clamp_(min=0).sum(-1)
+    shape, V = p.shape[:-1], p.shape[-1]
+    p, q = p.double().reshape(-1, V), target_probs(draft_logits, params).double().reshape(-1, V)
+    m = min(terms, V)
+    chunk = max(1, (4 << 20) // (m * V))  # positions at a time: (chunk, m, V) float64 stays under 32 MB
+    return torch.cat([_gumbel_agreement(a, b, m) for a, b in zip(p.split(chunk), q.split(chunk))]).reshape(shape)
+
+
+def _gumbel_agreement(p: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tensor:
+    """`chain_acceptance`'s sum (n,) for distributions p, q (n, V) over p's m likeliest x."""
+    px, x = p.topk(m, dim=-1)
+    qx = q.gather(-1, x)
+    tiny = torch.finfo(p.dtype).tiny
+    ratios = torch.maximum(p[:, None] / px.clamp(min=tiny)[..., None], q[:, None] / qx.clamp(min=tiny)[..., None])
+    return torch.where((px > 0) & (qx > 0), ratios.sum(-1).reciprocal(), 0.0).sum(-1)
 
 
 def expected_steps(alpha: np.ndarray, depth: int) -> float:

@@ -144,9 +144,9 @@ class DraftStep:
                     mark=None, first: int | None = None, floor: float = 0.0, coupled: tuple | None = None
                     ) -> torch.Tensor:
         """A whole draft chain (B, depth; fewer with a `floor`): at each level the top-1 token,
-        or with `coupled` = (u, draw, params) the token `draw(logits, params, u[:, d])` for level
+        or with `coupled` = (g, draw, params) the token `draw(logits, params, g[:, d])` for level
         d + 1 (`rollout.sampling.coupled_drafts`, passed in: this layer knows nothing of how
-        the rollout samples; u (B, depth)). The extend
+        the rollout samples; g (B, depth, V), the target's noise). The extend
         over pairs (hidden, ids) (B, W) of `slots` (pairs past `last` are padding; None: every
         row's last pair is its last column), then depth - 1 levels from each row's last pair,
         level d + 1 running the pair (ĥ, d-th draft): a plain decode step of the drafter, no
@@ -227,8 +227,8 @@ def _pick(logits: torch.Tensor, coupled: tuple | None, level: int) -> torch.Tens
     """A chain level's drafts (B, 1): the top-1 tokens, or the coupled ones (`draft_chain`)."""
     if coupled is None:
         return logits.argmax(-1)
-    u, draw, params = coupled
-    return draw(logits, params, u.narrow(1, level, 1))
+    g, draw, params = coupled
+    return draw(logits, params, g.narrow(1, level, 1))
 
 
 def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:

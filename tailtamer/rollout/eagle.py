@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tailtamer.model.draft_step import chain_index
 from tailtamer.model.transformer import rotary_tables
 from tailtamer.rollout.proposer import Proposer
-from tailtamer.rollout.sampling import SamplingParams, TargetDraws, coupled_drafts
+from tailtamer.rollout.sampling import SamplingParams, TargetDraws, coupled_drafts, perturbed
 from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.stats import PHASES
 
@@ -40,21 +40,23 @@ def _chain_shape(batch: int, depth: int, device: torch.device):
             torch.ones(batch, depth + 1, dtype=torch.bool, device=device))
 
 
-def children(logits: torch.Tensor, k: int, u: torch.Tensor | None = None, params: SamplingParams | None = None
+def children(logits: torch.Tensor, k: int, g: torch.Tensor | None = None, params: SamplingParams | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability scores, tokens) (..., k) of a draft node's k children from the drafter's
-    logits (..., V): its top-k tokens, or with the uniforms u (...) the target will draw after
-    the node with, the coupled draft (`coupled_drafts`) first, scored as the top-1 (it is the
-    child the target's draw most likely takes), then the top k − 1 of the rest: distinct."""
+    logits (..., V): its top-k tokens, or with the noise g (..., V) the target will draw after
+    the node with, the Gumbel-top-k of its distribution under that noise (`perturbed`): the
+    coupled draft (`coupled_drafts`) first, scored as the top-1 (it is the child the target's
+    draw most likely takes), then the tokens the target's draw most likely takes when it is
+    not that one, each scored by its log-probability. On the base model's warm-up drafter at
+    T = 1, teacher-forced, the target draws one of two such children with probability 0.936,
+    one coupled draft 0.888."""
     logp = torch.log_softmax(logits.float(), -1)
-    if u is None:
+    if g is None:
         return logp.topk(k, dim=-1)
-    c = coupled_drafts(logits, params, u)[..., None]
-    best = logp.amax(-1, keepdim=True)
-    if k == 1:
-        return best, c
-    rest = logp.scatter(-1, c, float("-inf")).topk(k - 1, dim=-1)
-    return torch.cat((best, rest.values), -1), torch.cat((c, rest.indices), -1)
+    tokens = perturbed(logits, params, g).topk(k, dim=-1).indices
+    scores = logp.gather(-1, tokens)
+    scores[..., 0] = logp.amax(-1)
+    return scores, tokens
 
 
 def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: torch.Tensor,
@@ -68,14 +70,14 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
     root_logits / root_hidden: the drafter's output for pair (h_{n-1}, s) with s pending, i.e.
     its guess of the distribution after s. Draft rows of depth-d beams go to drafter cache
     rows starts + (d-1)K + i at position starts - 1 + d; each beam attends to its ancestors'
-    rows only (a window mask over all draft rows of this step). `draws` = (u (B, depth), the
-    target's params): each node's first child is its coupled draft (`children`), level d + 1
-    drafted with u[:, d].
+    rows only (a window mask over all draft rows of this step). `draws` = (g (B, depth, V), the
+    target's params): each node's children are coupled with the target's draw (`children`),
+    level d + 1 drafted with g[:, d].
     """
     B, K, D = batch, strategy.topk, strategy.depth
     dev = root_logits.device
-    u, params = draws if draws is not None else (None, None)
-    score, tok = children(root_logits, K, None if u is None else u[:, 0], params)  # (B, K)
+    g, params = draws if draws is not None else (None, None)
+    score, tok = children(root_logits, K, None if g is None else g[:, 0], params)  # (B, K)
     cand_tok, cand_score = [tok], [score]
     cand_parent = [torch.full((B, K), -1, device=dev)]
     cand_depth = [torch.ones(B, K, dtype=torch.long, device=dev)]
@@ -97,7 +99,7 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
         logits, hidden = drafter.decode(beam_tok, beam_hidden, cache, slice(0, B), starts + (d - 1) * K,
                                         positions, mask, span=max_start + d * K)
         PHASES.mark(f"sd: draft level {d + 1}")
-        child_score, child_tok = children(logits, K, None if u is None else u[:, d, None].expand(B, K), params)
+        child_score, child_tok = children(logits, K, None if g is None else g[:, d, None].expand(B, K, -1), params)
         child_score = beam_score[:, :, None] + child_score
         cand_tok.append(child_tok.reshape(B, K * K))
         cand_score.append(child_score.reshape(B, K * K))
@@ -181,8 +183,8 @@ class CompiledChain:
         if pad:
             ids, index, last = F.pad(ids, (0, 0, 0, pad)), F.pad(index, (0, 0, 0, pad)), F.pad(last, (0, pad))
             hidden = F.pad(hidden, (0, 0, 0, 0, 0, pad))
-            if coupled is not None:  # the padding rows' draws: any uniform in (0, 1)
-                coupled = (F.pad(coupled[0], (0, 0, 0, pad), value=0.5), *coupled[1:])
+            if coupled is not None:  # the padding rows' draws: any noise
+                coupled = (F.pad(coupled[0], (0, 0, 0, 0, 0, pad)), *coupled[1:])
         w = self.drafter.fc.weight
         tables = rotary_tables(self.drafter.config, w.device, w.dtype)
         self.drafter.step()  # its weights current: the graph reads them

@@ -10,7 +10,7 @@ requests: that timeline is where the long tail shows.
 With a speculator, steps with few enough running requests (the long tail) are speculative:
 the proposer drafts a tree per request, the target verifies every tree in one forward, and
 the exact rule (rollout/speculative.py) accepts a path, for the whole batch at once.
-Sampling draws the token at response index t with the request's uniform number t
+Sampling draws the token at response index t with the request's noise for index t
 (rollout/sampling.py), so a step costs one vectorised draw for the batch, and SD emits what
 plain decoding would.
 
@@ -35,7 +35,7 @@ from tailtamer.config_fields import at_least, f
 from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.transformer import KVCache, Transformer
 from tailtamer.token_budget import token_budget_chunks
-from tailtamer.rollout.sampling import SamplingParams, TargetDraws, request_key, sample, target_probs, uniforms
+from tailtamer.rollout.sampling import SamplingParams, TargetDraws, request_key, sample, target_probs
 from tailtamer.rollout.speculative import Strategy, accept
 from tailtamer.rollout.speculator import Speculator
 from tailtamer.rollout.stats import PHASES, RolloutStats
@@ -82,7 +82,7 @@ class Request:
     prompt_ids: list[int]
     key: int  # its random stream (rollout/sampling.py)
     max_new_tokens: int
-    row: int = 0  # its row of the uniforms table of a `generate` call
+    row: int = 0  # its row of a `generate` call's random streams (`TargetDraws`)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of output_ids, with SamplingParams.logprobs
     slot: int = -1
@@ -150,7 +150,8 @@ class Engine:
         self.max_seq_len = min(config.max_seq_len or model.config.max_position_embeddings,
                                model.config.max_position_embeddings)
         self._cache: KVCache | None = None
-        self._draws: TargetDraws | None = None  # this generate's sampling parameters and uniforms (None: greedy)
+        self._draws: TargetDraws | None = None  # this generate's sampling parameters and noise (None: greedy)
+        self._zero = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # a draw at each request's next index
 
     @property
     def proposer(self):
@@ -196,12 +197,9 @@ class Engine:
         slots = min(self.config.max_batch_size, len(requests))
         longest = max(r.budget for r in requests)
         device = self.model.device
-        # as wide as the longest response can be (max_new_tokens may exceed the context; draws
-        # past a request's budget are discarded, so they may share the last column)
         self._logprobs = params.logprobs
-        self._draws = None if params.greedy else TargetDraws(params, uniforms(
-            torch.tensor([r.key for r in requests], device=device),
-            torch.arange(max(r.max_new_tokens for r in requests) + 1, device=device)[None]))
+        self._draws = None if params.greedy else TargetDraws(
+            params, torch.tensor([r.key for r in requests], device=device), self.model.config.vocab_size)
         spec = self.speculator
         if spec is not None:
             strategies = spec.tuner.strategies
@@ -313,9 +311,10 @@ class Engine:
         return self._compact(running, cache)
 
     def _draw(self, requests: list[Request], logits: torch.Tensor, params: SamplingParams,
-              indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+              offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens the target samples from logits (B, q, V), position (b, i) with the
-        request's uniform number indices[b, i] (the response index that draw would emit);
+        request's noise for response index len(output_ids) + offsets[b, i] (the index that draw
+        would emit; offsets (B, q) or (1, q), in [0, q));
         -1 where the logits are not finite (see `_checked`). With `params.logprobs`, also each
         token's log-probability under the distribution it was drawn from (greedy: the
         temperature-1 distribution), else None."""
@@ -324,7 +323,7 @@ class Engine:
             probs = torch.softmax(logits.float(), -1) if params.logprobs else None
         else:
             probs = target_probs(logits, params)
-            tokens = sample(probs, self._draws.at(requests, indices))
+            tokens = sample(probs, self._draws.at(requests, offsets))
         tokens = torch.where(torch.isfinite(logits.sum(-1)), tokens, -1)
         return tokens, probs.gather(-1, tokens.clamp(min=0)[..., None])[..., 0].log() if params.logprobs else None
 
@@ -347,8 +346,7 @@ class Engine:
         PHASES.mark("plain: host bookkeeping")
         logits, hidden = self.model.decode(ids, cache, slice(0, B), starts, span=max(cached) + 1)
         PHASES.mark("plain: target forward")
-        index = torch.tensor([[len(r.output_ids)] for r in running], device=device)
-        tokens, lps = self._draw(running, logits, params, index)
+        tokens, lps = self._draw(running, logits, params, self._zero)
         PHASES.mark("plain: sample")
         observed = [(slice(0, B), starts[:, None], hidden, tokens)] if self._observes() else []
         return Outcome([[t] for t in self._checked(tokens[:, 0].tolist())], [1] * B, observed,
@@ -422,8 +420,7 @@ class Engine:
                 cache.copy_slot(leader.slot, r.slot, len(r.prompt_ids))
             r.cached = len(r.prompt_ids)
         rows = torch.tensor([row[r.prompt_index] for r in admitted], device=device)
-        first, lps = self._draw(admitted, torch.cat(logits)[rows], params,
-                                torch.zeros(len(admitted), 1, dtype=torch.long, device=device))
+        first, lps = self._draw(admitted, torch.cat(logits)[rows], params, self._zero)
         first = first[:, 0]
         observed = []
         if keep:  # pairs (h_j, x_(j+1)) over each prompt; the pair at the prompt's end gets the first token
@@ -454,9 +451,8 @@ class Engine:
                                            span=max(cached) + tree.tokens.shape[1])
         PHASES.mark("sd: verify (target forward)")
         N = tree.tokens.shape[1]
-        emitted_at = torch.tensor([[len(r.output_ids) + i for i in range(N)] for r in running], device=device) \
-            if tree.chain else torch.tensor([[len(r.output_ids)] for r in running], device=device) + tree.depths
-        draws, lps = self._draw(running, logits, params, emitted_at)
+        draws, lps = self._draw(running, logits, params,
+                                torch.arange(N, device=device)[None] if tree.chain else tree.depths)
         PHASES.mark("sd: sample")
         path, tokens, length = accept(tree, draws)
         PHASES.mark("sd: accept")

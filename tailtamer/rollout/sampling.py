@@ -1,18 +1,19 @@
 """Sampling: temperature, top-k and top-p (nucleus), drawn with counter-based random numbers.
 
 Each request (one sample of one prompt) has a 62-bit key, `request_key(seed, prompt_index,
-sample_index)`, and the token at response index t is drawn by inverse CDF (`sample`) with
-`uniforms(key, t)`, a uniform hashed from the key and t. There is no generator state: a
-request's draws do not depend on the batch it runs in, a whole batch (or draft tree) is sampled
-in one vectorised call, and plain and speculative decoding draw the token at index t with the
-same uniform whichever step emits it.
+sample_index)`, and the token at response index t is drawn by the Gumbel-max trick (`sample`):
+argmax_x (log p_x + g_x) with `gumbels(key, t)`, a vector of Gumbel noise (one per vocabulary
+entry) hashed from the key, t and x. There is no generator state: a request's draws do not
+depend on the batch it runs in, a whole batch (or draft tree) is sampled in one vectorised
+call, and plain and speculative decoding draw the token at index t with the same noise
+whichever step emits it.
 
 The same `target_probs` is what speculative verification must reproduce, so it is a small
 pure function: filter the logits, renormalise, and nothing else.
 
-A drafter drafts with the same uniforms (`coupled_drafts`): where the target will draw the
-token at index t with u_t, the draft for it is the token the drafter's own distribution gives
-for u_t, so the closer the two distributions, the likelier the two draws agree.
+A drafter drafts with the same noise (`coupled_drafts`): where the target will draw the token
+at index t with g_t, the draft for it is the token the drafter's own distribution gives for
+g_t, so the closer the two distributions, the likelier the two draws agree.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-# A counter-based random stream per request: the uniform for the token at response index t
-# is a hash of (request key, t). Plain decoding and speculative decoding draw the token at
-# index t with the same uniform however many tokens a step emits, so with the same seed they
+# A counter-based random stream per request: the noise for the token at response index t is
+# a hash of (request key, t, token). Plain decoding and speculative decoding draw the token at
+# index t with the same noise however many tokens a step emits, so with the same seed they
 # emit the same tokens, and a whole batch (or a whole draft tree) is sampled in one vectorised
 # call instead of one generator call per request. Mixing constants from C. Wellons' hash
 # prospector (bias 0.107), all below 2**31 so int64 products never overflow.
@@ -109,72 +110,117 @@ def request_key(seed: int, prompt_index: int, sample_index: int) -> int:
     return mixed % (1 << 62)
 
 
-def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """u in (0, 1), float64, one per (request key, response index): keys (B,) int64,
-    positions (B, ...) int64 < 2**31. 53 random bits from two 32-bit hashes."""
+# Two 32-bit tags per vocabulary entry, so one (key, t) stream gives every token its own noise.
+_LANES: dict = {}
+
+
+def _lanes(vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if (vocab, device) not in _LANES:
+        v = torch.arange(vocab, device=device)
+        _LANES[vocab, device] = (_mix32(v ^ 0x68E31DA4), _mix32((v + 0x1B56C4E9) & _M32))
+    return _LANES[vocab, device]
+
+
+def gumbels(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise (..., vocab), float64, one vector per (request key, response index):
+    keys (B,) int64, positions (B, ...) int64 < 2**31. Each entry is −ln(−ln u), u a uniform in
+    (0, 1) of 53 random bits from two 32-bit hashes of (key, position, token)."""
     k = keys.reshape(keys.shape + (1,) * (positions.dim() - 1))
     lo, hi = k & _M32, (k >> 31) & _M32
-    a = _mix32(lo ^ _mix32(positions ^ hi))
-    b = _mix32(hi ^ _mix32((positions + 0x5BD1E995) ^ lo))
-    return ((a << 21) + (b >> 11)).double().add_(0.5).mul_(2.0 ** -53)
+    a = _mix32(lo ^ _mix32(positions ^ hi))[..., None]
+    b = _mix32(hi ^ _mix32((positions + 0x5BD1E995) ^ lo))[..., None]
+    la, lb = _lanes(vocab, positions.device)
+    u = ((_mix32(a ^ la) << 21) + (_mix32(b ^ lb) >> 11)).double().add_(0.5).mul_(2.0 ** -53)
+    return u.log_().neg_().log_().neg_()
 
 
-def sample(probs: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-    """One token per distribution in probs (..., V) by inverse CDF with the uniforms u (...):
-    the first token whose cumulative probability reaches u (token k has chance p_k, and a
-    token of probability 0 is never drawn); -1 for a distribution that is not finite.
-    u = None: greedy, the argmax."""
-    if u is None:
+def sample(probs: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    """One token per distribution in probs (..., V) by the Gumbel-max trick with the noise g
+    (..., V): argmax_x (ln p_x + g_x), which is token x with chance p_x (Gumbel 1954; Maddison
+    et al. 2014); a token of probability 0 is never drawn; -1 for a distribution that is not
+    finite. g = None: greedy, the argmax."""
+    if g is None:
         return probs.argmax(-1)
-    cdf = probs.double().cumsum(-1)
-    total = cdf[..., -1]
-    tokens = torch.searchsorted(cdf, (u * total).unsqueeze(-1)).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
-    return torch.where(torch.isfinite(total), tokens, -1)  # -1: nothing to sample from (NaN)
+    p = probs.double()
+    tokens = p.log().add_(g).argmax(-1)
+    return torch.where(torch.isfinite(p.sum(-1)), tokens, -1)  # -1: nothing to sample from (NaN)
 
 
-def coupled_drafts(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None) -> torch.Tensor:
-    """A drafter's drafts (...) from its logits (..., V) for tokens the target will draw with
-    the uniforms u (...): the tokens it would draw itself, `sample(target_probs(logits), u)`
-    (greedy, u None: the argmax). A common-random-numbers coupling of the two draws: a draft
-    is accepted when the target draws it (rollout/speculative.py), which with the same u
-    happens with probability Σ_x |[F_q(x−1), F_q(x)) ∩ [F_p(x−1), F_p(x))| (F the CDFs in token
-    order), 1 when the drafter's q equals the target's p, where a top-1 draft d is accepted
-    with p(d). On the default job's trained policy at T = 1, teacher-forced: 0.896 per draft
-    against 0.859 for the top-1 (docs/speculative-decoding.md). Any draft that is a function of
-    the drafter and u is lossless here: the tokens emitted are the target's own draws, the
-    same tokens plain decoding draws with those uniforms. So it is computed in the logits'
-    precision, in a third of `sample`'s operations (a draft level is ~100 µs at batch 1), and
-    filtered only when the target's draws are; a draft outside the vocabulary is clamped."""
-    if u is None:
-        return logits.argmax(-1)
+def perturbed(logits: torch.Tensor, params: SamplingParams, g: torch.Tensor) -> torch.Tensor:
+    """A drafter's log-probabilities, up to a constant, plus the target's noise g (..., V): its
+    argmax is `coupled_drafts`' draft, its top-k the Gumbel-top-k (distinct tokens, the k a
+    draw from q without replacement would give; Kool et al. 2019). Filtered only when the
+    target's draws are; a temperature so small that logits / T overflow drafts garbage, which
+    is still lossless."""
     if params.top_k or params.top_p < 1:
-        q = target_probs(logits, params)
-    else:  # a temperature so small that logits / T overflow drafts garbage, which is still lossless
-        q = torch.softmax(logits if params.temperature == 1 else logits / params.temperature, -1)
-    cdf = q.cumsum_(-1)
-    point = u.to(cdf.dtype, copy=True).mul_(cdf[..., -1])
-    return torch.searchsorted(cdf, point.unsqueeze(-1)).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+        scores = target_probs(logits, params).log()
+    else:
+        scores = logits if params.temperature == 1 else logits / params.temperature
+    return scores + g
 
 
-@dataclass(frozen=True)
+def coupled_drafts(logits: torch.Tensor, params: SamplingParams, g: torch.Tensor | None) -> torch.Tensor:
+    """A drafter's drafts (...) from its logits (..., V) for tokens the target will draw with
+    the noise g (..., V): the tokens it would draw itself, `sample(target_probs(logits), g)`
+    (greedy, g None: the argmax). A common-random-numbers coupling of the two draws, the
+    Gumbel-max coupling: a draft is accepted when the target draws it (rollout/speculative.py),
+    which happens with probability Σ_x 1 / Σ_y max(p_y / p_x, q_y / q_x)
+    (`drafter.estimate.chain_acceptance`), 1 when the drafter's q equals the target's p, where
+    a top-1 draft d is accepted with p(d). On the base model and its warm-up drafter at T = 1,
+    teacher-forced: 0.888 per draft against 0.865 for inverse-CDF coupling with one uniform and
+    0.845 for the top-1 (docs/speculative-decoding.md). Any draft that is a function of the
+    drafter and g is lossless here: the tokens emitted are the target's own draws, the same
+    tokens plain decoding draws with that noise. Computed in the logits' precision (an add and
+    an argmax: no softmax at T = 1)."""
+    if g is None:
+        return logits.argmax(-1)
+    return perturbed(logits, params, g).argmax(-1)
+
+
+# A generate call keeps each request's noise for this many response indices, while all its
+# requests' fit in the budget (bytes).
+NOISE_WINDOW, NOISE_BUDGET = 64, 64 << 20
+
+
 class TargetDraws:
-    """How the target draws a `generate` call's tokens: its sampling parameters and the table
-    of uniforms (requests, longest response + 1) the engine draws response index t with
-    (`Request.row`, column t), handed to a proposer so it can draft `coupled_drafts`."""
+    """How the target draws a `generate` call's tokens: its sampling parameters, the requests'
+    keys (in `Request.row` order) and the vocabulary size, handed to a proposer so it can draft
+    `coupled_drafts`.
 
-    params: SamplingParams
-    uniforms: torch.Tensor
+    The noise is hashed once per `window` response indices of a request and kept (requests ×
+    window × V, float64, where that fits in `budget` bytes; else hashed at every call): a
+    decode step reads a few indices past each running request's output, and hashing V
+    entries per index in every step cost ~140 µs at batch 1 on a CPU, more than the sampling."""
 
-    def at(self, requests: list, indices: torch.Tensor) -> torch.Tensor:
-        """The uniforms (B, q) that draw response indices `indices` (B, q) of `requests`: the
-        engine's draws and a proposer's coupled drafts read them here alike. Indices past a
-        request's budget share the last column (their draws are discarded)."""
-        rows = torch.tensor([r.row for r in requests], device=self.uniforms.device)[:, None]
-        return self.uniforms[rows, indices.clamp(max=self.uniforms.shape[1] - 1)]
+    def __init__(self, params: SamplingParams, keys: torch.Tensor, vocab: int, window: int = NOISE_WINDOW,
+                 budget: int = NOISE_BUDGET):
+        self.params, self.keys, self.vocab, self.window = params, keys, vocab, window
+        kept = keys.numel() * window * vocab * 8 <= budget
+        self.table = torch.empty(keys.numel(), window, vocab, dtype=torch.float64, device=keys.device) if kept else None
+        self.base = [-window] * keys.numel()  # per row, the response index of its window's column 0
+
+    def at(self, requests: list, offsets: torch.Tensor) -> torch.Tensor:
+        """The noise (B, q, V) that draws response indices len(output_ids) + offsets of
+        `requests`, offsets (B, q) or (1, q) in [0, q): the engine's draws and a proposer's
+        coupled drafts read it here alike."""
+        device, q = self.keys.device, offsets.shape[-1]
+        firsts = [len(r.output_ids) for r in requests]
+        rows = [r.row for r in requests]
+        if self.table is None or q > self.window:
+            indices = torch.tensor(firsts, device=device)[:, None] + offsets
+            return gumbels(self.keys[torch.tensor(rows, device=device)], indices, self.vocab)
+        stale = [(row, f) for row, f in zip(rows, firsts) if not self.base[row] <= f <= self.base[row] + self.window - q]
+        if stale:
+            for row, f in stale:
+                self.base[row] = f
+            again = torch.tensor([row for row, _ in stale], device=device)
+            self.table[again] = gumbels(self.keys[again], torch.tensor([f for _, f in stale], device=device)[:, None]
+                                        + torch.arange(self.window, device=device), self.vocab)
+        shift = torch.tensor([[f - self.base[row]] for row, f in zip(rows, firsts)], device=device)
+        return self.table[torch.tensor(rows, device=device)[:, None], shift + offsets]
 
     def ahead(self, requests: list, depth: int) -> torch.Tensor:
-        """(B, depth): for each request, the uniforms of the next `depth` response indices
-        from len(output_ids): column k is the one the target draws the token after a draft
-        tree's depth-k node with, so a level-(k + 1) draft is coupled with it."""
-        first = torch.tensor([len(r.output_ids) for r in requests], device=self.uniforms.device)
-        return self.at(requests, first[:, None] + torch.arange(depth, device=first.device))
+        """(B, depth, V): for each request, the noise of the next `depth` response indices from
+        len(output_ids): column k is the one the target draws the token after a draft tree's
+        depth-k node with, so a level-(k + 1) draft is coupled with it."""
+        return self.at(requests, torch.arange(depth, device=self.keys.device)[None])

@@ -17,15 +17,19 @@ from tailtamer.rollout.tuner import BEGTuner, FixedTuner
 
 # BEG-MAB defaults: two real choices per tokens-to-verify group (fastrl's defaults have one,
 # so its bandit never learns), buckets of batch sizes 1-2, 3-64 and 65+ (Strategy.verify
-# 8/5/3), from `tailtamer bench sd` on the built-in base model: 4_1_5 is the best cell from
-# batch 2 to 64, trees and deep chains pay most at batch 1 (README).
-DEFAULT_MAB_STRATEGIES = ("4_2_8", "7_1_8", "4_1_5", "2_2_5", "2_1_3", "1_2_3")
+# 11/8/6): a deep chain and the same chain drafted only as deep as the drafter is confident.
+# With coupled drafts and the two-level warm-up drafter, chains beat trees in every `bench sd`
+# cell and deeper chains pay at every batch size to 64; on the default job (`bench train
+# --steps 10 --repeats 3`, 2-core CPU) these arms gave a summed step of 1.67-1.73x against
+# 1.56x with the former 4_2_8 7_1_8 | 4_1_5 2_2_5 | 2_1_3 1_2_3, the <=4-running tail
+# 2.8x against 2.4x (docs/measurements.md).
+DEFAULT_MAB_STRATEGIES = ("10_1_11", "10_1_11@0.25", "7_1_8", "7_1_8@0.25", "5_1_6", "5_1_6@0.25")
 # The model-free drafter's: a match drafts as long as it goes, so the trees are deeper.
 DEFAULT_SUFFIX_STRATEGIES = ("s16_2_17", "s16_1_17", "s8_2_9", "s8_1_9", "s4_2_5", "s4_1_5")
-# Fused arms to add to the defaults' buckets (as wide as their groups: 8, 5, 3 tokens), where
+# Fused arms to add to the defaults' buckets (as wide as their groups: 11, 8, 6 tokens), where
 # siblings and earlier responses repeat each other: not in the defaults, since on the default
 # job's arithmetic the siblings diverge fast and they do not pay (docs/speculative-decoding.md).
-FUSED_ARMS = ("4_1_5+s3", "2_1_3+s2", "1_1_2+s1")
+FUSED_ARMS = ("7_1_8+s3", "4_1_5+s3", "3_1_4+s2")
 DEFAULT_BUCKET_THRESHOLDS = (1, 3, 65)
 # spec.bs_threshold when unset, on a GPU: there a large batch's verify forward is compute-bound,
 # so SD pays only once few requests run (TLT switches SD on below 32). On a CPU the default is
