@@ -68,15 +68,16 @@ Rough pieces (documented models, meant to be conservative but not absurd):
                 model): a prefill's one layer over every prompt token and logits at each
                 prompt's last position, prefill_tokens·a + prefill_rows·b·V (the largest is
                 often an evaluation's, ⌈data.n_eval / N⌉ prompts at once), a decode
-                step's logits and float32 sampling probabilities (decode_rows·(b + 12)·V, rows =
+                step's logits, float32 sampling probabilities and the float64 draw (its
+                probabilities' logs and the Gumbel noise: decode_rows·(b + 36)·V, rows =
                 requests x tokens verified), and a spot-training step of the drafter on M packed
                 tokens (~M·(2a + (2b + 24)·V) + M², see `_drafter_training_bytes`).
   samples       R·len·SAMPLE_TOKEN_BYTES for the R requests of a step (prompts x group_size of the
                 worker's shard, or an evaluation's), each up to len tokens: its token lists
                 (Python ints) and the update's tensors of it (ids, masks, log-probs,
-                advantages); and the sampling noise kept for them, R·NOISE_WINDOW·V float64 up
-                to NOISE_BUDGET (rollout/sampling.py `TargetDraws`). Live through the rollout
-                and the update.
+                advantages); and the sampling noise kept for them, R·NOISE_WINDOW·V float64 if
+                that fits in NOISE_BUDGET, else none (rollout/sampling.py `TargetDraws`). Live
+                through the rollout and the update.
 
 total = persistent + max(rollout_activations, update_weights + activations + logits), where
 persistent = policy + master + grads + optimizer + rollout_copy + reference + kv_cache +
@@ -97,7 +98,7 @@ from typing import TYPE_CHECKING, Callable
 
 from tailtamer.errors import ConfigError
 from tailtamer.model.config import ModelConfig
-from tailtamer.rollout.sampling import NOISE_BUDGET, NOISE_WINDOW
+from tailtamer.rollout.sampling import noise_table_bytes
 
 if TYPE_CHECKING:
     from tailtamer.config import TrainConfig
@@ -265,14 +266,14 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
         "reference": P * c if reference else 0,
         "kv_cache": kv_cache_bytes(cfg, slots, cache_len, cache_bytes),
         "drafter": 0,
-        "samples": requests * cache_len * SAMPLE_TOKEN_BYTES + min(requests * NOISE_WINDOW * cfg.vocab_size * 8, NOISE_BUDGET),
+        "samples": requests * cache_len * SAMPLE_TOKEN_BYTES + noise_table_bytes(requests, cfg.vocab_size),
         "update_weights": casts + gathered,
         "activations": update_activation_bytes(cfg, b, tokens, seq_len, grad_checkpointing, scores, c),
         "logits": logits_bytes(cfg.vocab_size, tokens, c, entropy),
     }
     layer = layer_activation_bytes(cfg, b, b, seq_len, b >= 4 if attention_scores is None else attention_scores)
     phases = {"prefill": prefill_tokens * layer + prefill_rows * b * cfg.vocab_size,
-              "decode": decode_rows * (b + 12) * cfg.vocab_size, "drafter_training": 0}
+              "decode": decode_rows * (b + 36) * cfg.vocab_size, "drafter_training": 0}
     if drafter:
         D, d = drafter_parameters(cfg), cache_len if drafter_cache_len is None else drafter_cache_len
         state = slots * d * (cfg.hidden_size * b + 8) + kv_cache_bytes(cfg, slots, 2 * d, cache_bytes, layers=1)

@@ -22,7 +22,7 @@ from tailtamer.model.drafter import init_drafter
 from tailtamer.model.transformer import KVCache
 from tailtamer.rollout.eagle import EagleProposer
 from tailtamer.rollout.engine import Engine, EngineConfig
-from tailtamer.rollout.sampling import NOISE_BUDGET, NOISE_WINDOW, SamplingParams
+from tailtamer.rollout.sampling import SamplingParams, noise_table_bytes
 from tailtamer.rollout.speculator import SpecConfig, Speculator, make_speculator
 from conftest import random_model, tiny_config
 
@@ -157,10 +157,9 @@ def test_a_step_of_too_many_samples_is_refused_naming_them():
     model_cfg = tiny_config()
     small, huge = (estimate_for(_train_config(f"rollout.group_size={g}"), model_cfg) for g in (8, 10**8))
     assert huge["slots"] == small["slots"] == 16 and huge["kv_cache"] == small["kv_cache"]
-    def noise(requests):  # the sampling noise kept for them is capped
-        return min(requests * NOISE_WINDOW * model_cfg.vocab_size * 8, NOISE_BUDGET)
-
-    assert huge["samples"] - noise(3 * 10**8) == (small["samples"] - noise(3 * 8)) * 12_500_000 > 0
+    noise = [noise_table_bytes(r, model_cfg.vocab_size) for r in (3 * 8, 3 * 10**8)]  # too big to keep: none
+    assert noise[0] > 0 == noise[1]
+    assert huge["samples"] == (small["samples"] - noise[0]) * 12_500_000 > 0
     message = _refusal(huge, 64 * GiB)
     assert "the step's samples" in message and "rollout.group_size" in message
 

@@ -90,7 +90,7 @@ def test_trained_drafter_accepts_more_than_random(target, trained_drafter):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, n=3, max_new_tokens=30, seed=5),
                                     SamplingParams(temperature=0.8, top_p=0.9, top_k=20, n=3, max_new_tokens=30)])
 def test_seeded_sampling_is_identical_in_float64(target, trained_drafter, params, strategy):
-    """The token at response index t is drawn with the request's uniform number t, with or
+    """The token at response index t is drawn with the request's noise for index t, with or
     without SD, whatever the drafts."""
     prompts = TRAIN_PROMPTS[10:14]
     plain, _ = _generate(target, prompts, params, 6)

@@ -13,6 +13,7 @@ features can be better or worse inputs); how close it comes is tested against th
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -23,8 +24,7 @@ from tailtamer.drafter.train import pack
 from tailtamer.rollout.sampling import SamplingParams, target_probs
 
 
-def chain_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, params: SamplingParams,
-                     terms: int = 128) -> torch.Tensor:
+def chain_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """α, the probability that the exact walk accepts the drafter's draft, p = target_probs of
     the target's logits and q of the drafter's. Sampled, the draft is coupled with the target's
     draw (`coupled_drafts`: both argmax_x (ln · + g_x) with the same Gumbel noise g), and both
@@ -32,25 +32,19 @@ def chain_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, pa
     Gumbel-max trick that is x winning a draw from logits c_y = max(…), c_x = 0, so
         α = Σ_x 1 / Σ_y max(p_y / p_x, q_y / q_x),
     1 when q = p, and neither the top-1's p(argmax q) nor 1 − TV(p, q) (an independent draw's).
-    The sum runs over the `terms` most likely x under p (term x is at most p_x, so that leaves
-    out at most p's mass beyond them). Greedy: p(argmax q), 1 or 0. Shape (...)."""
+    With tokens sorted by r = p / q, descending, max(p_y q_x, q_y p_x) is p_y q_x for y up to x
+    and q_y p_x after it, so term x is p_x q_x / (q_x · P≤x + p_x · Q>x) (P, Q the sorted masses
+    up to and after x): O(V log V). Greedy: p(argmax q), 1 or 0. Shape (...)."""
     p = target_probs(target_logits, params)
     if params.greedy:
         return torch.gather(p, -1, draft_logits.argmax(-1, keepdim=True)).squeeze(-1)
-    shape, V = p.shape[:-1], p.shape[-1]
-    p, q = p.double().reshape(-1, V), target_probs(draft_logits, params).double().reshape(-1, V)
-    m = min(terms, V)
-    chunk = max(1, (4 << 20) // (m * V))  # positions at a time: (chunk, m, V) float64 stays under 32 MB
-    return torch.cat([_gumbel_agreement(a, b, m) for a, b in zip(p.split(chunk), q.split(chunk))]).reshape(shape)
-
-
-def _gumbel_agreement(p: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tensor:
-    """`chain_acceptance`'s sum (n,) for distributions p, q (n, V) over p's m likeliest x."""
-    px, x = p.topk(m, dim=-1)
-    qx = q.gather(-1, x)
-    tiny = torch.finfo(p.dtype).tiny
-    ratios = torch.maximum(p[:, None] / px.clamp(min=tiny)[..., None], q[:, None] / qx.clamp(min=tiny)[..., None])
-    return torch.where((px > 0) & (qx > 0), ratios.sum(-1).reciprocal(), 0.0).sum(-1)
+    p, q = p.double(), target_probs(draft_logits, params).double()
+    ratio = torch.where(q > 0, p / q, torch.where(p > 0, math.inf, 0.0))  # 0/0: a token neither draws
+    order = ratio.argsort(-1, descending=True)
+    p, q = p.gather(-1, order), q.gather(-1, order)
+    after = q.sum(-1, keepdim=True) - q.cumsum(-1)
+    both = p * q
+    return torch.where(both > 0, both / (q * p.cumsum(-1) + p * after), 0.0).sum(-1)
 
 
 def expected_steps(alpha: np.ndarray, depth: int) -> float:

@@ -110,27 +110,32 @@ def request_key(seed: int, prompt_index: int, sample_index: int) -> int:
     return mixed % (1 << 62)
 
 
-# Two 32-bit tags per vocabulary entry, so one (key, t) stream gives every token its own noise.
+# A 32-bit tag per vocabulary entry, so one (key, t) stream gives every token its own noise.
 _LANES: dict = {}
 
 
-def _lanes(vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _lanes(vocab: int, device) -> torch.Tensor:
     if (vocab, device) not in _LANES:
-        v = torch.arange(vocab, device=device)
-        _LANES[vocab, device] = (_mix32(v ^ 0x68E31DA4), _mix32((v + 0x1B56C4E9) & _M32))
+        _LANES[vocab, device] = _mix32(torch.arange(vocab, device=device) ^ 0x68E31DA4)
     return _LANES[vocab, device]
 
 
 def gumbels(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel(0, 1) noise (..., vocab), float64, one vector per (request key, response index):
-    keys (B,) int64, positions (B, ...) int64 < 2**31. Each entry is −ln(−ln u), u a uniform in
-    (0, 1) of 53 random bits from two 32-bit hashes of (key, position, token)."""
+    keys (B,) int64, positions (B, ...) int64 < 2**31. Each entry is −ln(−ln u), u in (0, 1)
+    from a 32-bit hash of the token's tag and two 32-bit words of (key, position): one mix per
+    entry, since hashing V entries per drawn token is where a draw's time goes."""
     k = keys.reshape(keys.shape + (1,) * (positions.dim() - 1))
     lo, hi = k & _M32, (k >> 31) & _M32
     a = _mix32(lo ^ _mix32(positions ^ hi))[..., None]
     b = _mix32(hi ^ _mix32((positions + 0x5BD1E995) ^ lo))[..., None]
-    la, lb = _lanes(vocab, positions.device)
-    u = ((_mix32(a ^ la) << 21) + (_mix32(b ^ lb) >> 11)).double().add_(0.5).mul_(2.0 ** -53)
+    x = ((a ^ _lanes(vocab, positions.device)) + b).bitwise_and_(_M32)
+    x ^= x >> 16
+    x.mul_(0x21F0AAAD).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(0x735A2D97).bitwise_and_(_M32)
+    x ^= x >> 15
+    u = x.double().add_(0.5).mul_(2.0 ** -32)
     return u.log_().neg_().log_().neg_()
 
 
@@ -151,12 +156,13 @@ def perturbed(logits: torch.Tensor, params: SamplingParams, g: torch.Tensor) -> 
     argmax is `coupled_drafts`' draft, its top-k the Gumbel-top-k (distinct tokens, the k a
     draw from q without replacement would give; Kool et al. 2019). Filtered only when the
     target's draws are; a temperature so small that logits / T overflow drafts garbage, which
-    is still lossless."""
+    is still lossless. In the logits' precision: the noise is rounded to it (a draft need only
+    be a function of the drafter and the noise)."""
     if params.top_k or params.top_p < 1:
         scores = target_probs(logits, params).log()
     else:
         scores = logits if params.temperature == 1 else logits / params.temperature
-    return scores + g
+    return scores + g.to(scores.dtype)
 
 
 def coupled_drafts(logits: torch.Tensor, params: SamplingParams, g: torch.Tensor | None) -> torch.Tensor:
@@ -170,16 +176,23 @@ def coupled_drafts(logits: torch.Tensor, params: SamplingParams, g: torch.Tensor
     teacher-forced: 0.888 per draft against 0.865 for inverse-CDF coupling with one uniform and
     0.845 for the top-1 (docs/speculative-decoding.md). Any draft that is a function of the
     drafter and g is lossless here: the tokens emitted are the target's own draws, the same
-    tokens plain decoding draws with that noise. Computed in the logits' precision (an add and
-    an argmax: no softmax at T = 1)."""
+    tokens plain decoding draws with that noise. An add and an argmax (no softmax at T = 1), in
+    the logits' precision."""
     if g is None:
         return logits.argmax(-1)
     return perturbed(logits, params, g).argmax(-1)
 
 
 # A generate call keeps each request's noise for this many response indices, while all its
-# requests' fit in the budget (bytes).
-NOISE_WINDOW, NOISE_BUDGET = 64, 64 << 20
+# requests' fit in the budget (bytes): hashed for 64 indices at once, the 11-token answers of
+# the default job's first step left most of it unread (10 ms of a 300 ms rollout).
+NOISE_WINDOW, NOISE_BUDGET = 32, 64 << 20
+
+
+def noise_table_bytes(requests: int, vocab: int, window: int = NOISE_WINDOW, budget: int = NOISE_BUDGET) -> int:
+    """The bytes `TargetDraws` keeps for a generate call's noise: all or nothing."""
+    size = requests * window * vocab * 8
+    return size if size <= budget else 0
 
 
 class TargetDraws:
@@ -189,13 +202,13 @@ class TargetDraws:
 
     The noise is hashed once per `window` response indices of a request and kept (requests ×
     window × V, float64, where that fits in `budget` bytes; else hashed at every call): a
-    decode step reads a few indices past each running request's output, and hashing V
-    entries per index in every step cost ~140 µs at batch 1 on a CPU, more than the sampling."""
+    decode step reads a few indices past each running request's output, and a hash call costs
+    ~0.2 ms at batch 1 on a CPU, more than the sampling."""
 
     def __init__(self, params: SamplingParams, keys: torch.Tensor, vocab: int, window: int = NOISE_WINDOW,
                  budget: int = NOISE_BUDGET):
         self.params, self.keys, self.vocab, self.window = params, keys, vocab, window
-        kept = keys.numel() * window * vocab * 8 <= budget
+        kept = noise_table_bytes(keys.numel(), vocab, window, budget) > 0
         self.table = torch.empty(keys.numel(), window, vocab, dtype=torch.float64, device=keys.device) if kept else None
         self.base = [-window] * keys.numel()  # per row, the response index of its window's column 0
 

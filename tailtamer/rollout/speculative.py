@@ -14,10 +14,11 @@ SGLang's tree_speculative_sampling_target_only, fastrl-code.md §3.4): at the cu
 draw x ~ p; if x is the token of one of the node's children, descend into that child and
 repeat; otherwise emit x and stop. Every emitted token is a draw from the target's
 conditional distribution given everything before it, so the output distribution is exactly
-the target's; a child is accepted with probability p(child), the most a deterministic
-proposal allows. Greedy decoding is the same walk with x = argmax p. The draw for the token
-at response index t uses the request's uniform number t (rollout/sampling.py), whichever
-step emits it, so SD and plain decoding emit the same tokens for the same seed (up to float
+the target's; a child is accepted with probability p(child) if it was drafted without the
+target's noise, and with the coupled agreement of `drafter.estimate.chain_acceptance` if it
+is the drafter's own draw with that noise (`sampling.coupled_drafts`). Greedy decoding is the
+same walk with x = argmax p. The draw for the token at response index t uses the request's
+noise for index t (rollout/sampling.py), whichever step emits it, so SD and plain decoding emit the same tokens for the same seed (up to float
 rounding of p).
 """
 
@@ -158,7 +159,7 @@ def ancestor_mask(parents: torch.Tensor, depth: int) -> torch.Tensor:
 
 def accept(tree: Tree, draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact rule for a whole batch at once. draws (B, N): the target's draw x at every
-    node (a sample of p, or argmax p), made with the uniform of the response index the node's
+    node (a sample of p, or argmax p), made with the noise of the response index the node's
     draw would emit. A node is reached when its token is its parent's draw and its parent is
     reached; the reached nodes form one chain from the root (distinct children), the walk's
     path, and the walk emits x at each node of it: the accepted drafts, then the target's own
