@@ -96,11 +96,13 @@ _M32 = 0xFFFFFFFF
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
+    """x (32-bit values in int64) mixed in place, so pass a temporary: `gumbels` mixes V
+    entries per drawn token, and copies at each operation cost as much as the mixing."""
+    x ^= x >> 16
+    x.mul_(0x21F0AAAD).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(0x735A2D97).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 15)
 
 
 def request_key(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -129,12 +131,7 @@ def gumbels(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Te
     lo, hi = k & _M32, (k >> 31) & _M32
     a = _mix32(lo ^ _mix32(positions ^ hi))[..., None]
     b = _mix32(hi ^ _mix32((positions + 0x5BD1E995) ^ lo))[..., None]
-    x = ((a ^ _lanes(vocab, positions.device)) + b).bitwise_and_(_M32)
-    x ^= x >> 16
-    x.mul_(0x21F0AAAD).bitwise_and_(_M32)
-    x ^= x >> 15
-    x.mul_(0x735A2D97).bitwise_and_(_M32)
-    x ^= x >> 15
+    x = _mix32(((a ^ _lanes(vocab, positions.device)) + b).bitwise_and_(_M32))
     u = x.double().add_(0.5).mul_(2.0 ** -32)
     return u.log_().neg_().log_().neg_()
 
