@@ -18,6 +18,7 @@ from tailtamer.model.io import load_model, load_pretrained
 from tailtamer.model.transformer import KVCache
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
+from tailtamer.rollout.tuner import bucket_of
 
 VERIFY_QS = (1, 2, 4, 8, 16, 32)
 
@@ -196,6 +197,18 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
             "rows": rows}
 
 
+def seconds_by_running(stats, edges: tuple[int, ...]) -> dict[str, float]:
+    """A rollout's seconds by what ran: its prefills, the drafter catching up at each switch to
+    SD, decode steps by requests running in buckets from each of `edges` (the bandit's), and the
+    rest (scheduling between steps)."""
+    names = [f"{a}-{b - 1}" if b - 1 > a else str(a) for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
+    out = {"prefill": stats.prefill_s, "catch_up": stats.catch_up_s, **dict.fromkeys(names, 0.0)}
+    for running, seconds in stats.seconds_by_running.items():
+        out[names[bucket_of(running, list(edges))]] += seconds
+    out["other"] = stats.seconds - sum(out.values())
+    return out
+
+
 def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, repeats: int = 1,
                   max_new_tokens: int = 512, plot: str | None = "runs/bench-rollout.png",
                   drafter_dir: str | None = None) -> dict:
@@ -213,7 +226,8 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.eagle import EagleProposer
     from tailtamer.rollout.fused import FusedProposer
-    from tailtamer.rollout.speculator import DEFAULT_MAB_STRATEGIES, FUSED_ARMS, GPU_BS_THRESHOLD, SpecConfig, Speculator
+    from tailtamer.rollout.speculator import (DEFAULT_BUCKET_THRESHOLDS, DEFAULT_MAB_STRATEGIES, FUSED_ARMS,
+                                              GPU_BS_THRESHOLD, SpecConfig, Speculator)
     from tailtamer.rollout.suffix import SuffixProposer
     from tailtamer.tasks.arithmetic import ArithmeticTask, reward
 
@@ -249,12 +263,14 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
                                                               seed=3))[1].setup_s for name, engine in kept.items()}
     names = [*kept, *fresh]
     seconds: dict[str, list[float]] = {k: [] for k in names}
+    parts: dict[str, list[dict[str, float]]] = {k: [] for k in names}
     results = {}
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:  # each arm in every turn
             engine = kept[name] if name in kept else fresh[name]()
             completions, stats = engine.generate(ids, params)
             seconds[name].append(stats.seconds)
+            parts[name].append(seconds_by_running(stats, DEFAULT_BUCKET_THRESHOLDS))
             results[name] = (completions, stats, engine.tuner.summary() if engine.tuner else None)
     plain_completions, plain_stats, _ = results["plain"]
     # the tail: as many running requests as a GPU's default would speculate on (on a CPU the
@@ -267,12 +283,18 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
               "plain_tail_share_of_decode_time": round(tail_time / max(1e-9, sum(durations)), 3),
               "arms": {}}
     base = statistics.median(seconds["plain"])
+    by_running = {name: {k: statistics.median(run[k] for run in runs) for k in runs[0]} for name, runs in parts.items()}
     for name, (completions, stats, tuner) in results.items():
         s = stats.summary()
         report["arms"][name] = {
             "seconds": round(statistics.median(seconds[name]), 3),
             "speedup_vs_plain": round(base / statistics.median(seconds[name]), 3),
             "speedup_each_run": [round(base / t, 3) for t in seconds[name]],
+            # where the time went (medians over the runs), and against plain's in each part
+            "seconds_by_running": {k: round(v, 3) for k, v in by_running[name].items()},
+            **({} if name == "plain" else {"speedup_by_running": {
+                k: round(v / by_running[name][k], 2) for k, v in by_running["plain"].items()
+                if k not in ("catch_up", "other") and by_running[name][k] > 0}}),
             "plain_decode_s": round(s["plain_seconds"], 3), "sd_decode_s": round(s["sd_seconds"], 3),
             "accept_len_mean": round(s["accept_len_mean"], 3),
             "compile_s": round(s["setup_s"] + warm_up_s.get(name, 0.0), 1),

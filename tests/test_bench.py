@@ -2,10 +2,13 @@
 
 import torch
 
-from tailtamer.bench import bench_rollout
+import pytest
+
+from tailtamer.bench import bench_rollout, seconds_by_running
 from tailtamer.model.drafter import init_drafter, save_drafter
 from tailtamer.model.io import load_pretrained
-from tailtamer.rollout.speculator import FUSED_ARMS
+from tailtamer.rollout.speculator import DEFAULT_BUCKET_THRESHOLDS, FUSED_ARMS
+from tailtamer.rollout.stats import RolloutStats
 
 
 def test_bench_rollout_times_every_arm_in_every_run_on_plain_decodings_tokens(model_dir, tmp_path, monkeypatch):
@@ -30,3 +33,17 @@ def test_bench_rollout_times_every_arm_in_every_run_on_plain_decodings_tokens(mo
     pulls = {k: sum(sum(b["pulls"].values()) for b in arms[k]["tuner_all_runs" if k == "adaptive" else "tuner"]["buckets"])
              for k in ("adaptive", "adaptive_fresh_bandit")}
     assert pulls["adaptive"] > 2 * pulls["adaptive_fresh_bandit"] > 0
+    parts = {"prefill", "catch_up", "1-2", "3-64", "65-255", "256+", "other"}
+    assert all(set(a["seconds_by_running"]) == parts for a in arms.values())
+    assert arms["plain"]["seconds_by_running"]["catch_up"] == 0 < arms["sd_fixed_4_2_8"]["seconds_by_running"]["catch_up"]
+    assert "speedup_by_running" in arms["adaptive"] and "speedup_by_running" not in arms["plain"]
+
+
+def test_a_rollouts_seconds_split_by_running_requests_in_the_bandits_buckets():
+    stats = RolloutStats(prefill_s=0.05, catch_up_s=0.01, seconds=2.3)
+    for running, seconds in ((1, 0.1), (2, 0.2), (3, 0.3), (64, 0.4), (65, 0.5), (255, 0.25), (256, 0.6)):
+        stats.record_step(0.0, seconds, running, "plain", running)
+    parts = seconds_by_running(stats, DEFAULT_BUCKET_THRESHOLDS)
+    expected = {"prefill": 0.05, "catch_up": 0.01, "1-2": 0.3, "3-64": 0.7, "65-255": 0.75, "256+": 0.6}
+    assert parts == pytest.approx({**expected, "other": 2.3 - sum(expected.values())})
+    assert list(seconds_by_running(stats, (1, 2, 4)))[2:5] == ["1", "2-3", "4+"]

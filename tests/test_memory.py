@@ -203,12 +203,14 @@ def test_estimate_for_verifies_every_slot_where_sd_may_run_at_any_batch_size():
 
 
 def test_the_bandits_verified_rows_follow_its_buckets():
-    """With the default strategies (N = 11, 8, 6) and buckets (1-2, 3-64, 65+), 128 requests
-    verify at most 6 tokens each, 64 of them 8, 2 of them 11: 768 rows on a CPU, where SD may
-    run at any batch size, 512 on a GPU (at most 64 requests speculate); not 128 x 11."""
+    """With the default strategies (N = 11, 8, 6, 5) and buckets (1-2, 3-64, 65-255, 256+), 128
+    requests verify at most 6 tokens each, 64 of them 8, 2 of them 11: 768 rows on a CPU, where
+    SD may run at any batch size, 512 on a GPU (at most 64 requests speculate); not 128 x 11.
+    512 requests verify 5 each, more than 255 of them verifying 6; 300 verify fewer."""
     spec = SpecConfig(mode="adaptive", drafter="some-drafter")
     assert (spec.most_verified(128, "cpu"), spec.most_verified(128, "cuda")) == (768, 512)
     assert spec.most_verified(2, "cpu") == 22 and spec.most_verified(40, "cpu") == 320
+    assert spec.most_verified(512, "cpu") == 512 * 5 and spec.most_verified(300, "cpu") == 255 * 6
     assert SpecConfig(mode="on", drafter="suffix", strategy="s3_2_6").most_verified(128, "cpu") == 128 * 6
     assert SpecConfig(mode="on", drafter="d", strategy="3_2_6+s4").most_verified(128, "cpu") == 128 * 10
     model_cfg = tiny_config()

@@ -186,11 +186,28 @@ def test_exploration_is_reproducible_from_the_seed():
     ({"bonus": float("nan")}, "spec.bonus must be a number >= 0"),
     ({"window": 3}, "spec.window must be more than the 3 arms of a bucket, got 3"),
     ({"tuner": "ucb"}, "tuner must be beg or fixed"),
+    ({"strategies": ("6_1_7", "5_1_6", "4_1_5", "3_1_4", "2_1_3")},
+     "form 5 groups by tokens to verify, more than the 4 default buckets: give spec.bucket_thresholds"),
     ({"bs_threshold": -1}, "spec.bs_threshold must be >= 0"),
 ])
 def test_bad_adaptive_configs(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         SpecConfig(mode="adaptive", drafter="suffix", **kwargs)
+
+
+@pytest.mark.parametrize("arms,thresholds", [
+    (None, [1, 3, 65, 256]),  # the default arms: widths 11, 8, 6, 5
+    (("s8_1_9", "s4_1_5"), [1, 3]),
+    (("4_1_5",), [1]),
+    (("4_1_5", "2_1_3", "4_2_5"), [1, 3]),  # two widths: 5 (two arms) and 3
+])
+def test_unset_thresholds_take_as_many_defaults_as_the_arms_form_groups(arms, thresholds):
+    drafter = "suffix" if arms and arms[0].startswith("s") else "some-drafter"
+    tuner = SpecConfig(mode="adaptive", drafter=drafter, strategies=arms).make_tuner()
+    assert tuner.thresholds == thresholds
+    assert len(tuner.groups) == len(thresholds)
+    given = SpecConfig(mode="adaptive", drafter=drafter, strategies=arms, bucket_thresholds=tuple(range(1, len(thresholds) + 1)))
+    assert given.make_tuner().thresholds == list(range(1, len(thresholds) + 1))  # given ones are kept as given
 
 
 def test_fixed_tuner_and_mode_on_use_the_strategy():

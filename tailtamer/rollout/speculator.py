@@ -13,24 +13,29 @@ from tailtamer.rollout.fused import FusedProposer
 from tailtamer.rollout.proposer import Proposer
 from tailtamer.rollout.suffix import SuffixProposer
 from tailtamer.rollout.speculative import ACCEPTANCE_RULES, LOSSY_RULES, Strategy
-from tailtamer.rollout.tuner import BEGTuner, FixedTuner
+from tailtamer.rollout.tuner import BEGTuner, FixedTuner, group_by_verify
 
 # BEG-MAB defaults: two real choices per tokens-to-verify group (fastrl's defaults have one,
-# so its bandit never learns), buckets of batch sizes 1-2, 3-64 and 65+ (Strategy.verify
-# 11/8/6): a deep chain and the same chain drafted only as deep as the drafter is confident.
+# so its bandit never learns), buckets of batch sizes 1-2, 3-64, 65-255 and 256+ (Strategy.verify
+# 11/8/6/5): a deep chain and the same chain drafted only as deep as the drafter is confident.
 # With coupled drafts and the two-level warm-up drafter, chains beat trees in every `bench sd`
 # cell and deeper chains pay at every batch size to 64; on the default job (`bench train
 # --steps 10 --repeats 3`, 2-core CPU) these arms gave a summed step of 1.67-1.73x against
 # 1.56x with the former 4_2_8 7_1_8 | 4_1_5 2_2_5 | 2_1_3 1_2_3, the <=4-running tail
-# 2.8x against 2.4x (docs/measurements.md).
-DEFAULT_MAB_STRATEGIES = ("10_1_11", "10_1_11@0.25", "7_1_8", "7_1_8@0.25", "5_1_6", "5_1_6@0.25")
+# 2.8x against 2.4x (docs/measurements.md). From 256 running a verify is compute-bound on a
+# CPU core (6 tokens each of 512 requests cost 3x a plain step) and most requests are a few
+# tokens from their end: a 4-deep chain there made `bench rollout` 4% faster than 5_1_6 (15
+# interleaved rollouts, faster in 13). A default job's worker runs at most 64.
+DEFAULT_MAB_STRATEGIES = ("10_1_11", "10_1_11@0.25", "7_1_8", "7_1_8@0.25", "5_1_6", "5_1_6@0.25", "4_1_5",
+                          "4_1_5@0.25")
 # The model-free drafter's: a match drafts as long as it goes, so the trees are deeper.
 DEFAULT_SUFFIX_STRATEGIES = ("s16_2_17", "s16_1_17", "s8_2_9", "s8_1_9", "s4_2_5", "s4_1_5")
 # Fused arms to add to the defaults' buckets (as wide as their groups: 11, 8, 6 tokens), where
 # siblings and earlier responses repeat each other: not in the defaults, since on the default
 # job's arithmetic the siblings diverge fast and they do not pay (docs/speculative-decoding.md).
-FUSED_ARMS = ("7_1_8+s3", "4_1_5+s3", "3_1_4+s2")
-DEFAULT_BUCKET_THRESHOLDS = (1, 3, 65)
+FUSED_ARMS = ("7_1_8+s3", "4_1_5+s3", "3_1_4+s2", "3_1_4+s1")
+# The first running count of each bucket; with fewer groups of arms than entries, the first ones.
+DEFAULT_BUCKET_THRESHOLDS = (1, 3, 65, 256)
 # spec.bs_threshold when unset, on a GPU: there a large batch's verify forward is compute-bound,
 # so SD pays only once few requests run (TLT switches SD on below 32). On a CPU the default is
 # none: on the built-in base model SD pays at every batch size up to 512 (`bench rollout`).
@@ -57,7 +62,10 @@ class SpecConfig:
     strategies: tuple[str, ...] | None = f(None, "beg: the arms (plus 'no SD' in every bucket); unset: "
                                                   f"{', '.join(DEFAULT_MAB_STRATEGIES)}, with drafter=suffix "
                                                   f"{', '.join(DEFAULT_SUFFIX_STRATEGIES)}")
-    bucket_thresholds: tuple[int, ...] = f(DEFAULT_BUCKET_THRESHOLDS, "beg: one per tokens-to-verify group")
+    bucket_thresholds: tuple[int, ...] | None = f(None, "beg: the fewest running requests of each bucket, one per "
+                                                         "tokens-to-verify group (the widest first); unset: as many "
+                                                         "of " + ", ".join(map(str, DEFAULT_BUCKET_THRESHOLDS))
+                                                         + " as there are groups")
     epsilon: float = f(0.0, "beg: probability of a uniformly random arm (close to the paper's ε-greedy: 0.1 "
                             "with bonus 0)")
     window: int = f(60, "beg: an arm is judged by its rewards from the last this many steps of its batch-size "
@@ -178,7 +186,18 @@ class SpecConfig:
             arms = [Strategy.parse(s) for s in self.arms]
         except ConfigError as e:
             raise ConfigError(f"spec.strategies: {e}") from None
-        return BEGTuner(arms, list(self.bucket_thresholds), self.epsilon, self.window, self.seed, self.bonus)
+        return BEGTuner(arms, self._thresholds(arms), self.epsilon, self.window, self.seed, self.bonus)
+
+    def _thresholds(self, arms: list[Strategy]) -> list[int]:
+        """spec.bucket_thresholds, or as many of the defaults as the arms form groups."""
+        if self.bucket_thresholds is not None:
+            return list(self.bucket_thresholds)
+        groups = len(group_by_verify(arms))
+        if groups > len(DEFAULT_BUCKET_THRESHOLDS):
+            raise ConfigError(f"spec.strategies form {groups} groups by tokens to verify, more than the "
+                              f"{len(DEFAULT_BUCKET_THRESHOLDS)} default buckets: give spec.bucket_thresholds, "
+                              f"one per group")
+        return list(DEFAULT_BUCKET_THRESHOLDS[:groups])
 
 
 @dataclass
