@@ -270,17 +270,16 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             engine = kept[name] if name in kept else fresh[name]()
             completions, stats = engine.generate(ids, params)
             seconds[name].append(stats.seconds)
+            # one split for every arm (plain has no buckets of its own), so the parts compare
             parts[name].append(seconds_by_running(stats, DEFAULT_BUCKET_THRESHOLDS))
             results[name] = (completions, stats, engine.tuner.summary() if engine.tuner else None)
     plain_completions, plain_stats, _ = results["plain"]
     # the tail: as many running requests as a GPU's default would speculate on (on a CPU the
     # adaptive arms may speculate at every step)
     tail = GPU_BS_THRESHOLD if threshold is None else threshold
-    steps = plain_stats.timeline
-    durations = [t1 - t0 for t0, t1 in zip([0.0] + [t for t, _, _ in steps[:-1]], [t for t, _, _ in steps])]
-    tail_time = sum(d for d, (_, running, _) in zip(durations, steps) if running <= tail)
+    decode = sum(plain_stats.seconds_by_running.values())
     report = {"model": str(path), "requests": prompts * n, "bs_threshold": threshold, "tail_running": tail,
-              "plain_tail_share_of_decode_time": round(tail_time / max(1e-9, sum(durations)), 3),
+              "plain_tail_share_of_decode_time": round(plain_stats.tail_seconds(tail) / max(1e-9, decode), 3),
               "arms": {}}
     base = statistics.median(seconds["plain"])
     by_running = {name: {k: statistics.median(run[k] for run in runs) for k in runs[0]} for name, runs in parts.items()}
@@ -290,11 +289,12 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             "seconds": round(statistics.median(seconds[name]), 3),
             "speedup_vs_plain": round(base / statistics.median(seconds[name]), 3),
             "speedup_each_run": [round(base / t, 3) for t in seconds[name]],
-            # where the time went (medians over the runs), and against plain's in each part
+            # each part a median of its own, so they need not sum to `seconds`; where SD pays and
+            # where it cannot (the prefill is the same work in every arm: no ratio)
             "seconds_by_running": {k: round(v, 3) for k, v in by_running[name].items()},
             **({} if name == "plain" else {"speedup_by_running": {
                 k: round(v / by_running[name][k], 2) for k, v in by_running["plain"].items()
-                if k not in ("catch_up", "other") and by_running[name][k] > 0}}),
+                if k not in ("prefill", "catch_up", "other") and by_running[name][k] > 0}}),
             "plain_decode_s": round(s["plain_seconds"], 3), "sd_decode_s": round(s["sd_seconds"], 3),
             "accept_len_mean": round(s["accept_len_mean"], 3),
             "compile_s": round(s["setup_s"] + warm_up_s.get(name, 0.0), 1),

@@ -25,7 +25,7 @@ from tailtamer.rl.optim import LR_SCHEDULES
 from tailtamer.rl.sharding import SHARDINGS
 from tailtamer.rollout.backend import BACKENDS
 from tailtamer.rollout.engine import EngineConfig
-from tailtamer.rollout.speculator import SpecConfig, check_engine_drafter
+from tailtamer.rollout.speculator import FORMER_DEFAULT_THRESHOLDS, SpecConfig, check_engine_drafter
 from tailtamer.rollout.vllm_backend import VLLM_STRATEGIES, VLLM_STRATEGY, VLLMConfig, check_strategies
 
 
@@ -368,7 +368,8 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
     """The config of a YAML file (or the default job) with dotted overrides, the files it names
     as absolute paths (`absolute_paths`). `written`: the
     file is a run directory's own config.yaml, which an older tailtamer may have written with
-    since-renamed sections; those are read under their new names (a user's file gets a hint)."""
+    since-renamed sections or former defaults; those are read under their new names and as
+    unset (a user's file gets a hint)."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -389,6 +390,10 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
         if written:
             data = {RENAMED.get(k, k) if RENAMED.get(k) not in data else k: v for k, v in data.items()}
+            spec = data.get("spec")
+            if isinstance(spec, dict) and spec.get("strategies") is None and \
+                    spec.get("bucket_thresholds") == list(FORMER_DEFAULT_THRESHOLDS):
+                spec["bucket_thresholds"] = None  # the default arms' thresholds of its day: today's follow today's arms
         data = {k: {} if v is None else v for k, v in data.items()}  # `run:` with every key commented out
     for item in overrides:
         apply_override(data, item)

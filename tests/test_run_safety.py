@@ -493,6 +493,24 @@ def test_files_of_runs_written_before_the_renames_still_resume(tmp_path):
         load_train_config(old)
 
 
+def test_a_run_written_with_the_former_default_buckets_resumes_on_todays_arms(tmp_path):
+    """Before the fourth bucket a run's config.yaml held spec.bucket_thresholds [1, 3, 65] with
+    the default arms (strategies null): read back, they follow today's default arms; the same in
+    a user's own file is one line that says what to do; with arms of their own they are kept."""
+    from tailtamer.config import load_train_config
+
+    old = tmp_path / "config.yaml"
+    old.write_text("spec:\n  mode: adaptive\n  strategies: null\n  bucket_thresholds: [1, 3, 65]\n")
+    spec = load_train_config(old, written=True).spec
+    assert spec.bucket_thresholds is None and spec.make_tuner().thresholds == [1, 3, 65, 256]
+    with pytest.raises(ConfigError, match=r"config.yaml: spec.bucket_thresholds has 3 entries but the default arms "
+                                          r"form 4 groups by tokens to verify: give 4, or leave it unset"):
+        load_train_config(old)
+    own = tmp_path / "own.yaml"
+    own.write_text("spec:\n  mode: adaptive\n  strategies: [4_1_5, 2_1_3, 1_1_2]\n  bucket_thresholds: [1, 3, 65]\n")
+    assert load_train_config(own, written=True).spec.bucket_thresholds == (1, 3, 65)
+
+
 def test_a_run_given_relative_paths_resumes_from_any_directory(toy, tmp_path, monkeypatch):
     """config.yaml names the model, data and reward file by absolute path, so `--resume` works
     from another directory; a config.yaml an older tailtamer wrote with the paths as typed

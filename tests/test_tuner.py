@@ -177,7 +177,8 @@ def test_exploration_is_reproducible_from_the_seed():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"bucket_thresholds": (1, 3)}, "2 entries but the strategies form 3 groups"),
+    ({"bucket_thresholds": (1, 3)}, "2 entries but the default arms form 3 groups by tokens to verify: give 3, or leave it unset"),
+    ({"bucket_thresholds": (1, 3), "strategies": ("s4_1_5", "s2_1_3", "s1_1_2")}, "2 entries but the strategies form 3 groups"),
     ({"bucket_thresholds": (2, 3, 9)}, "must start at 1"),
     ({"bucket_thresholds": (1, 9, 3)}, "increase strictly"),
     ({"strategies": ("4_2_8", "bad")}, "not DEPTH_TOPK_VERIFY"),

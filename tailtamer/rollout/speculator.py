@@ -13,7 +13,7 @@ from tailtamer.rollout.fused import FusedProposer
 from tailtamer.rollout.proposer import Proposer
 from tailtamer.rollout.suffix import SuffixProposer
 from tailtamer.rollout.speculative import ACCEPTANCE_RULES, LOSSY_RULES, Strategy
-from tailtamer.rollout.tuner import BEGTuner, FixedTuner, group_by_verify
+from tailtamer.rollout.tuner import BEGTuner, FixedTuner, from_one_up, group_by_verify
 
 # BEG-MAB defaults: two real choices per tokens-to-verify group (fastrl's defaults have one,
 # so its bandit never learns), buckets of batch sizes 1-2, 3-64, 65-255 and 256+ (Strategy.verify
@@ -30,12 +30,14 @@ DEFAULT_MAB_STRATEGIES = ("10_1_11", "10_1_11@0.25", "7_1_8", "7_1_8@0.25", "5_1
                           "4_1_5@0.25")
 # The model-free drafter's: a match drafts as long as it goes, so the trees are deeper.
 DEFAULT_SUFFIX_STRATEGIES = ("s16_2_17", "s16_1_17", "s8_2_9", "s8_1_9", "s4_2_5", "s4_1_5")
-# Fused arms to add to the defaults' buckets (as wide as their groups: 11, 8, 6 tokens), where
+# Fused arms to add to the defaults' buckets (as wide as their groups: 11, 8, 6, 5 tokens), where
 # siblings and earlier responses repeat each other: not in the defaults, since on the default
 # job's arithmetic the siblings diverge fast and they do not pay (docs/speculative-decoding.md).
 FUSED_ARMS = ("7_1_8+s3", "4_1_5+s3", "3_1_4+s2", "3_1_4+s1")
-# The first running count of each bucket; with fewer groups of arms than entries, the first ones.
 DEFAULT_BUCKET_THRESHOLDS = (1, 3, 65, 256)
+# The default before the fourth bucket, which a run directory's config.yaml holds from then:
+# read back as unset, so such a run resumes on the arms of today.
+FORMER_DEFAULT_THRESHOLDS = (1, 3, 65)
 # spec.bs_threshold when unset, on a GPU: there a large batch's verify forward is compute-bound,
 # so SD pays only once few requests run (TLT switches SD on below 32). On a CPU the default is
 # none: on the built-in base model SD pays at every batch size up to 512 (`bench rollout`).
@@ -190,9 +192,14 @@ class SpecConfig:
 
     def _thresholds(self, arms: list[Strategy]) -> list[int]:
         """spec.bucket_thresholds, or as many of the defaults as the arms form groups."""
-        if self.bucket_thresholds is not None:
-            return list(self.bucket_thresholds)
         groups = len(group_by_verify(arms))
+        if self.bucket_thresholds is not None:
+            given = list(self.bucket_thresholds)
+            if self.strategies is None and len(given) != groups and from_one_up(given):
+                raise ConfigError(f"spec.bucket_thresholds has {len(self.bucket_thresholds)} entries but the default "
+                                  f"arms form {groups} groups by tokens to verify: give {groups}, or leave it unset "
+                                  f"({', '.join(map(str, DEFAULT_BUCKET_THRESHOLDS))})")
+            return given
         if groups > len(DEFAULT_BUCKET_THRESHOLDS):
             raise ConfigError(f"spec.strategies form {groups} groups by tokens to verify, more than the "
                               f"{len(DEFAULT_BUCKET_THRESHOLDS)} default buckets: give spec.bucket_thresholds, "

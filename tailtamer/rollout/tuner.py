@@ -230,9 +230,14 @@ class BEGTuner:
         return {"tuner": "beg", "buckets": out}
 
 
+def from_one_up(thresholds: list[int]) -> bool:
+    """Whether bucket thresholds start at 1 and increase strictly."""
+    return bool(thresholds) and thresholds[0] == 1 and all(b > a for a, b in zip(thresholds, thresholds[1:]))
+
+
 def validate_buckets(groups: list[list[Strategy]], thresholds: list[int]) -> None:
     # the values first: a negative threshold is the mistake to name, not the count
-    if not thresholds or thresholds[0] != 1 or any(b <= a for a, b in zip(thresholds, thresholds[1:])):
+    if not from_one_up(thresholds):
         raise ConfigError(f"spec.bucket_thresholds must start at 1 and increase strictly, got {thresholds}")
     if len(thresholds) != len(groups):
         sizes = [g[0].width for g in groups]
