@@ -177,8 +177,10 @@ def test_exploration_is_reproducible_from_the_seed():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"bucket_thresholds": (1, 3)}, "2 entries but the default arms form 3 groups by tokens to verify: give 3, or leave it unset"),
-    ({"bucket_thresholds": (1, 3), "strategies": ("s4_1_5", "s2_1_3", "s1_1_2")}, "2 entries but the strategies form 3 groups"),
+    ({"bucket_thresholds": (1, 3)},
+     "2 entries but the default arms form 3 groups by tokens to verify: give 3, or leave it unset"),
+    ({"bucket_thresholds": (1, 3), "strategies": ("s4_1_5", "s2_1_3", "s1_1_2")},
+     "2 entries but the strategies form 3 groups"),
     ({"bucket_thresholds": (2, 3, 9)}, "must start at 1"),
     ({"bucket_thresholds": (1, 9, 3)}, "increase strictly"),
     ({"strategies": ("4_2_8", "bad")}, "not DEPTH_TOPK_VERIFY"),
@@ -207,8 +209,9 @@ def test_unset_thresholds_take_as_many_defaults_as_the_arms_form_groups(arms, th
     tuner = SpecConfig(mode="adaptive", drafter=drafter, strategies=arms).make_tuner()
     assert tuner.thresholds == thresholds
     assert len(tuner.groups) == len(thresholds)
-    given = SpecConfig(mode="adaptive", drafter=drafter, strategies=arms, bucket_thresholds=tuple(range(1, len(thresholds) + 1)))
-    assert given.make_tuner().thresholds == list(range(1, len(thresholds) + 1))  # given ones are kept as given
+    own = tuple(range(1, len(thresholds) + 1))
+    given = SpecConfig(mode="adaptive", drafter=drafter, strategies=arms, bucket_thresholds=own)
+    assert given.make_tuner().thresholds == list(own)  # given ones are kept as given
 
 
 def test_fixed_tuner_and_mode_on_use_the_strategy():
