@@ -226,6 +226,10 @@ def test_accept_follows_the_draws_down_the_tree():
     draws = torch.tensor([[7, 0, 0, 0, 0]] * 3)
     tree.tokens[:, 1] = 3
     assert accept(tree, draws)[2].tolist() == [1, 1, 1]
+    # nor a node marked valid without a parent (its verify saw neither the root nor a path)
+    tree.valid[:, 4] = True
+    draws = torch.tensor([[7, 0, 0, 0, 0]] * 3)
+    assert accept(tree, draws)[2].tolist() == [1, 1, 1]
 
 
 def test_a_chain_accepts_what_the_tree_walk_accepts():

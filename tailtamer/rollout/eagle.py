@@ -118,7 +118,8 @@ def eagle_tree(drafter, cache, batch: int, starts: torch.Tensor, root_logits: to
     tokens, scores = torch.cat(cand_tok, 1), torch.cat(cand_score, 1)
     parents, depths = torch.cat(cand_parent, 1), torch.cat(cand_depth, 1)
     # Stable sort: among equal scores the shallower (earlier) candidate wins, so every chosen
-    # node's parent is chosen too (a child's score never exceeds its parent's).
+    # node's parent is chosen too (a finite child's score never exceeds its parent's; a node
+    # orphaned by NaN scores gets parent -1, which `accept` never reaches).
     N = min(strategy.verify, n_cand + 1)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : N - 1]
     chosen = torch.sort(order, dim=1).values  # candidate order = depth order: parents first

@@ -168,7 +168,10 @@ def accept(tree: Tree, draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     if tree.chain:
         return accept_chain(tree.tokens, draws)
     parent = tree.parents.clamp(min=0)
-    match = tree.valid & (tree.tokens == draws.gather(1, parent))
+    # A node without a parent is never reached, even if marked valid: its verify logits were
+    # computed without the root and the path (a tree built from NaN scores can hold one), so
+    # emitting its draw would break the rule. Checked here, where losslessness is decided.
+    match = tree.valid & (tree.parents >= 0) & (tree.tokens == draws.gather(1, parent))
     match[:, 0] = True
     reached = match
     for _ in range(tree.depth):
