@@ -99,6 +99,7 @@ from typing import TYPE_CHECKING, Callable
 from tailtamer.errors import ConfigError
 from tailtamer.model.config import ModelConfig
 from tailtamer.rollout.sampling import noise_table_bytes
+from tailtamer.rollout.speculative import Strategy, rows_ahead
 
 if TYPE_CHECKING:
     from tailtamer.config import TrainConfig
@@ -291,8 +292,6 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
 
 
 def _strategies(spec) -> list:
-    from tailtamer.rollout.speculative import Strategy
-
     return [Strategy.parse(s) for s in spec.in_use]
 
 
@@ -338,9 +337,7 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
     verify = draft_rows = 0
     decode_rows = slots
     if speculates:
-        strategies = _strategies(spec)
-        verify = max(s.width for s in strategies)
-        draft_rows = max(((s.depth - 1) * s.topk for s in strategies if not s.model_free), default=0)
+        verify, draft_rows = rows_ahead(_strategies(spec))
         decode_rows = max(slots, spec.most_verified(slots, device_type))
     eagle = speculates and spec.drafter not in (None, "ngram", "suffix")
     trains = eagle and spot.train and (world > 1 or spot.single_worker == "window")

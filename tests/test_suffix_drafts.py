@@ -12,12 +12,13 @@ from tailtamer.errors import CheckpointError, ConfigError
 from tailtamer.model.drafter import init_drafter
 from tailtamer.rollout.draft_history import DraftHistory, prompt_key, save_histories
 from tailtamer.rollout.eagle import EagleProposer, chain_tree
-from tailtamer.rollout.engine import Engine, EngineConfig
+from tailtamer.rollout.engine import Engine, EngineConfig, Request
 from tailtamer.rollout.fused import FusedProposer, fuse
 from tailtamer.rollout.sampling import SamplingParams, target_probs
 from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.speculator import SpecConfig, Speculator, make_speculator
-from tailtamer.rollout.suffix import SuffixProposer
+from tailtamer.rollout.tuner import FixedTuner
+from tailtamer.rollout.suffix import SuffixProposer, tree_of
 from tailtamer.rollout.suffix_index import EAGLE, HISTORY, OWN, SIBLING
 from conftest import random_model, tiny_config
 
@@ -30,6 +31,10 @@ def _prompts(n, seed=0, vocab=100):
 @pytest.fixture(scope="module")
 def target():
     return random_model(tiny_config()).double()
+
+
+def kept(history, prompt):
+    return [list(r) for r in history.responses(prompt)]
 
 
 def _proposers(target, kind, history=None):
@@ -105,6 +110,37 @@ def test_suffix_and_fused_drafts_sample_the_target_distribution(strategy):
         assert chisquare(counts[support].tolist(), expected[support].tolist()).pvalue > 1e-3
 
 
+class Alternating(FixedTuner):
+    """A model-free arm and a drafter arm, turn about."""
+
+    def __init__(self, *names):
+        self.strategies = [Strategy.parse(n) for n in names]
+        self.turn = 0
+
+    def select(self, batch_size):
+        self.turn += 1
+        return self.strategies[self.turn % len(self.strategies)]
+
+
+def test_a_drafter_arm_after_model_free_drafts_catches_up_first(target, monkeypatch):
+    """The drafter does not run in a suffix-only step, so the next EAGLE step starts behind; it
+    catches up first, charged to no arm, as after plain steps; output as plain decoding's."""
+    proposer = _proposers(target, "fused")
+    arms = []
+    catch_up = proposer.catch_up
+    monkeypatch.setattr(proposer, "catch_up", lambda running: arms.append("catch-up") or catch_up(running))
+    propose = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda *a: arms.append(a[2].name) or propose(*a))
+    engine = Engine(target, config=EngineConfig(max_batch_size=4), speculator=Speculator(proposer, Alternating(
+        "s4_1_5", "3_1_4")))
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    prompts = _prompts(4, seed=3)
+    out, _ = engine.generate(prompts, params)
+    assert [c.token_ids for c in out] == [c.token_ids for c in _run(target, prompts, params, 4)[0]]
+    assert arms[:6] == ["catch-up", "3_1_4", "s4_1_5", "catch-up", "3_1_4", "s4_1_5"]
+    assert all(b == "catch-up" for a, b in zip(arms, arms[1:]) if a == "s4_1_5")
+
+
 def test_fuse_shares_what_both_propose_and_appends_the_rest():
     # EAGLE's chain: root 9 -> 1 -> 2. The index proposes 1 -> 2 -> 3 (shared, shared, new) and 5 (new).
     tree = chain_tree(torch.tensor([[9, 1, 2]]))
@@ -129,6 +165,17 @@ def test_a_suffix_branch_that_extends_the_chain_is_verified_as_a_chain():
     assert fused.chain and fused.depth == 3
     assert fused.tokens.tolist() == [[9, 1, 2, 7], [8, 3, 3, 6]]
     assert fused.sources.tolist() == [[0, EAGLE, EAGLE, SIBLING], [0, EAGLE, EAGLE, OWN]]
+
+
+def test_a_suffix_tree_is_as_wide_as_its_drafts_and_a_chain_where_every_request_drafts_one():
+    chains = tree_of([5, 6], [[(1, -1, 1, 1.0, OWN), (2, 0, 2, 0.5, OWN)],
+                              [(3, -1, 1, 1.0, SIBLING), (4, 0, 2, 1.0, HISTORY)]], "cpu")
+    assert chains.chain and chains.depth == 2 and chains.tokens.tolist() == [[5, 1, 2], [6, 3, 4]]
+    assert chains.sources.tolist() == [[0, OWN, OWN], [0, SIBLING, HISTORY]]
+    few = tree_of([5, 6], [[(1, -1, 1, 0.6, OWN), (2, -1, 1, 0.4, OWN)], []], "cpu")  # budget 9, 2 drafts
+    assert not few.chain and few.tokens.shape == (2, 3) and few.valid.tolist() == [[True] * 3, [True, False, False]]
+    none = tree_of([5, 6], [[], []], "cpu")  # nothing drafted: the step verifies the pending tokens alone
+    assert none.chain and none.tokens.tolist() == [[5], [6]] and none.depth == 0
 
 
 def test_a_tree_node_with_a_source_counts_where_its_accepted_drafts_came_from():
@@ -204,7 +251,7 @@ def test_later_rollouts_draft_from_earlier_responses_to_the_same_prompt(target):
     prompts = _prompts(4, seed=11)
     first = SamplingParams(temperature=0, max_new_tokens=40, n=2)
     engine.generate(prompts, first)
-    assert all(len(history.responses(p)) == 2 for p in prompts)
+    assert all(len(kept(history, p)) == 2 for p in prompts)
     again = SamplingParams(temperature=0, max_new_tokens=40, n=1)
     out, stats = engine.generate(prompts, again)
     plain, _ = _run(target, prompts, again, 16)
@@ -212,17 +259,36 @@ def test_later_rollouts_draft_from_earlier_responses_to_the_same_prompt(target):
     assert stats.accepted_by_source.get("history", 0) > 0
 
 
+def test_a_group_drafts_from_the_earlier_responses_its_finished_siblings_pushed_out():
+    """A sibling that finishes before its group's index is built enters the history (kept with
+    the checkpoint) but is indexed once, as a member; the earlier rollout's response it pushed
+    out of a one-response history is still drafted from in this rollout."""
+    history = DraftHistory(per_prompt=1, max_tokens=100, vocab_size=50)
+    history.add([1, 2], [10, 11, 12])
+    proposer = SuffixProposer(history)
+    done, running = (Request(0, i, [1, 2], key=i, max_new_tokens=8) for i in range(2))
+    proposer.admit([done, running])
+    done.output_ids, running.output_ids = [20, 21, 22, 3], [10, 11]
+    proposer.retire([done])
+    assert kept(history, [1, 2]) == [[20, 21, 22, 3]]
+    [nodes] = proposer.drafts([running], depth=4, size=4, topk=1, floor=0.0)
+    assert [(token, source) for token, _, _, _, source in nodes] == [(12, HISTORY)]
+    index = proposer.groups[0][0]
+    state, matched = index.match(index.add_text([20, 21]))
+    assert matched == 2 and index.followers(state) == {22: 1}  # the finished sibling, once
+
+
 def test_the_history_keeps_the_last_responses_per_prompt_and_a_token_cap():
     h = DraftHistory(per_prompt=2, max_tokens=10, vocab_size=50)
     h.add([1, 2], [3, 4, 5])
     h.add([1, 2], [6])
     h.add([1, 2], [7, 8])  # the oldest of [1, 2]'s three goes
-    assert h.responses([1, 2]) == [[6], [7, 8]] and h.tokens == 3
+    assert kept(h, [1, 2]) == [[6], [7, 8]] and h.tokens == 3
     h.add([9], [1] * 6)
     h.add([10], [2] * 3)  # 12 tokens: the prompt answered longest ago ([1, 2]) loses its responses, oldest first
-    assert h.responses([1, 2]) == [] and h.tokens == 9 and list(h.prompts) == [prompt_key([9]), prompt_key([10])]
-    assert h.responses([10]) == [[2, 2, 2]]
-    assert DraftHistory(per_prompt=0, max_tokens=10, vocab_size=50).responses([1]) == []
+    assert kept(h, [1, 2]) == [] and h.tokens == 9 and list(h.prompts) == [prompt_key([9]), prompt_key([10])]
+    assert kept(h, [10]) == [[2, 2, 2]]
+    assert kept(DraftHistory(per_prompt=0, max_tokens=10, vocab_size=50), [1]) == []
 
 
 def test_the_history_file_round_trips_per_worker(tmp_path):
@@ -235,7 +301,7 @@ def test_the_history_file_round_trips_per_worker(tmp_path):
     assert same_world.entries() == b.entries()
     other_world = DraftHistory(4, 100, vocab_size=50)
     other_world.load(tmp_path / "h.json", rank=0, world=1)  # another number of workers: all of it
-    assert other_world.responses([1]) == [[2, 3]] and other_world.responses([4]) == [[5]]
+    assert kept(other_world, [1]) == [[2, 3]] and kept(other_world, [4]) == [[5]]
 
 
 @pytest.mark.parametrize("content,reason", [
@@ -256,7 +322,7 @@ def test_a_bad_history_file_is_one_line_naming_it(tmp_path, content, reason):
     message = str(e.value)
     assert message.startswith(f"{path}: cannot read the draft history") and reason in message
     assert "spec.history_on_resume=fresh" in message and "\n" not in message
-    assert h.responses([1]) == [[2]]  # nothing lost
+    assert kept(h, [1]) == [[2]]  # nothing lost
 
 
 def test_tree_sources_default_to_the_eagle_drafter():

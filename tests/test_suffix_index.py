@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tailtamer.rollout.suffix_index import HISTORY, OWN, SIBLING, SuffixIndex
+from tailtamer.rollout.suffix_index import HISTORY, OWN, SIBLING, WALK, SuffixIndex
 
 
 def occurrences(texts, pattern):
@@ -122,3 +122,17 @@ def test_a_text_alone_drafts_from_its_own_past():
     index = SuffixIndex()
     me = index.add_text([1, 2, 3, 4, 1, 2])
     assert [(n[0], n[4]) for n in index.draft(me, depth=2, size=4, topk=2)] == [(3, OWN), (4, OWN)]
+
+
+@pytest.mark.parametrize("period", [1, 3])
+def test_a_long_loop_costs_a_bounded_walk_a_token_and_is_still_drafted(period):
+    """A runaway response repeats a short period; counting each end position in every state of
+    its suffix-link path would cost a walk as long as the loop (quadratic). At most WALK states
+    are counted a token, and the loop is drafted from its longest match all the same: what
+    followed it, one period."""
+    loop = [7, 8, 9][:period]
+    index = SuffixIndex()
+    me = index.add_text(loop * (2000 // period))
+    assert sum(index.count) <= WALK * 2000  # unbounded: 2000 · 2001 / 2 for one repeated token
+    nodes = index.draft(me, depth=6, size=6, topk=1)
+    assert [n[0] for n in nodes] == loop and {n[4] for n in nodes} == {OWN}

@@ -34,8 +34,10 @@ class DraftHistory:
         self.prompts: OrderedDict[str, deque] = OrderedDict()  # least recently answered first
         self.tokens = 0
 
-    def responses(self, prompt_ids) -> list[list[int]]:
-        return [list(r) for r in self.prompts.get(prompt_key(prompt_ids), ())]
+    def responses(self, prompt_ids) -> tuple[array, ...]:
+        """The prompt's kept responses, oldest first: the arrays themselves, read-only (a later
+        `add` drops old ones from the history, never changes one)."""
+        return tuple(self.prompts.get(prompt_key(prompt_ids), ()))
 
     def add(self, prompt_ids, response) -> None:
         if not self.per_prompt or not response:

@@ -36,7 +36,7 @@ from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.transformer import KVCache, Transformer
 from tailtamer.token_budget import token_budget_chunks
 from tailtamer.rollout.sampling import SamplingParams, TargetDraws, request_key, sample, target_probs
-from tailtamer.rollout.speculative import Strategy, accept
+from tailtamer.rollout.speculative import Strategy, accept, rows_ahead
 from tailtamer.rollout.speculator import Speculator
 from tailtamer.rollout.stats import PHASES, RolloutStats
 from tailtamer.rollout.suffix_index import SOURCE_NAMES
@@ -99,8 +99,8 @@ class Request:
 class Step:
     """One engine step as scheduled: `kind` prefill (the newly admitted `requests`), plain or
     sd (every running request; `strategy` the tuner's arm). `tuned`: the tuner chose for this
-    step (the long tail) and is told how it went; `catch_up`: the first SD step after plain
-    ones or a prefill, whose drafter first catches up."""
+    step (the long tail) and is told how it went; `catch_up`: the first step of a drafter arm
+    after plain steps, a prefill or model-free drafts, whose drafter first catches up."""
     kind: str
     requests: list[Request]
     strategy: Strategy | None = None
@@ -202,9 +202,7 @@ class Engine:
             params, torch.tensor([r.key for r in requests], device=device), self.model.config.vocab_size)
         spec = self.speculator
         if spec is not None:
-            strategies = spec.tuner.strategies
-            verify = max(st.width for st in strategies)
-            draft_rows = max(((st.depth - 1) * st.topk for st in strategies if not st.model_free), default=0)
+            verify, draft_rows = rows_ahead(spec.tuner.strategies)
             spec.proposer.reserve(slots, longest + max(verify, draft_rows) + 1)
             spec.proposer.couple(self._draws)
             longest += verify
@@ -212,10 +210,10 @@ class Engine:
         queue, running, done = deque(requests), [], []
         stats, start = RolloutStats(), time.perf_counter()
         setup_start = self._setup_s()
-        speculating = False  # was the last step an SD step (then the drafter is caught up)
+        drafted = False  # did the last step draft with the drafter (then it is caught up)
         while queue or running:
             PHASES.mark("engine loop")
-            step = self._schedule(queue, running, slots, speculating)
+            step = self._schedule(queue, running, slots, drafted)
             if step.catch_up:
                 # The switch: the drafter catches up on what plain steps and prefills left,
                 # charged to no arm (the first arm pulled would otherwise pay it).
@@ -223,7 +221,7 @@ class Engine:
                 if spec.proposer.catch_up(running):
                     stats.catch_up_s += time.perf_counter() - t0
                 PHASES.mark("sd: catch-up at the switch (no arm)")
-            speculating = step.kind == "sd"
+            drafted = step.kind == "sd" and not step.strategy.model_free
             setup, t0 = self._setup_s(), time.perf_counter()
             PHASES.mark("engine loop")
             outcome = RUNS[step.kind](self, step, cache, params)
@@ -238,7 +236,7 @@ class Engine:
     def _setup_s(self) -> float:
         return self.proposer.setup_s if self.proposer is not None else 0.0
 
-    def _schedule(self, queue: deque, running: list[Request], slots: int, speculating: bool) -> Step:
+    def _schedule(self, queue: deque, running: list[Request], slots: int, drafted: bool) -> Step:
         """Admit queued requests into free slots (then the step is their prefill), else ask the
         tuner, in the long tail, for an SD strategy or plain decoding."""
         admitted = self._admit(queue, running, slots)
@@ -249,7 +247,9 @@ class Engine:
         strategy = spec.tuner.select(len(running)) if tuned else None
         if strategy is None:
             return Step("plain", running, tuned=tuned)
-        return Step("sd", running, strategy, tuned, catch_up=not speculating)
+        # after plain steps, a prefill or model-free drafts (the suffix index's), a drafter arm
+        # first catches up; a model-free arm needs no drafter
+        return Step("sd", running, strategy, tuned, catch_up=not drafted and not strategy.model_free)
 
     def _commit(self, step: Step, out: Outcome, running: list[Request], params: SamplingParams, cache: KVCache,
                 stats: RolloutStats, clock: tuple[float, float], done: list[Request], keep_hidden) -> list[Request]:

@@ -5,29 +5,28 @@ index's (rollout/suffix.py), `D_K_N+sM` both, merged into one trie verified by o
 forward. Where the two propose the same token at the same place the node is shared, so a
 fused tree verifies at most N + M tokens and the suffix index pays only where it adds a guess.
 
-Why the exact rule stays exact for a fused tree: every node is a deterministic function of the
-committed tokens (EAGLE's nodes are the drafter's top-k, the index's its most frequent
-followers; neither is sampled), and a node's children carry distinct tokens. The rule
-(`speculative.accept`) draws x ~ p at the current node and descends only into the child whose
-token is x, else emits x. By induction over the emitted tokens, each is x ~ p(· | everything
-emitted before), whatever the set of children was: a deterministic proposal q = δ_t is
-accepted with probability min(1, p(t) / q(t)) · q(t) = p(t), the probability that x = t, and on
-rejection x is a draw from p restricted to the other tokens, renormalised (SpecInfer, Miao et
-al. 2024, for several deterministic drafts at a node). So the output is the target's
-distribution for any mixture of sources, and which source proposed a node only changes speed.
+Why the exact rule stays exact for a fused tree, whatever proposed its nodes: the rule
+(`speculative.accept`) takes at every node the target's draw x, made with the request's noise
+for the response index x would be emitted at (Gumbel-max: x = argmax log p + g, exactly a draw
+of p; argmax p when greedy), descends into the child whose token is x (children carry distinct
+tokens, so at most one), and else emits x. A node is reached only when every token above it is
+its parent's draw, so its verify saw exactly the tokens emitted before, and the walk emits
+what plain decoding emits with the same noise, one token per response index. The tree decides
+only how many of those draws one forward confirms. So any mix of sources is exact: the index's
+followers, chosen without the noise, are confirmed with probability p(t) (SpecInfer, Miao et
+al. 2024, for several deterministic drafts at a node), and EAGLE's drafts coupled to that very
+noise (`sampling.coupled_drafts`) more often, which only changes speed.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
-from tailtamer.rollout.eagle import EagleProposer, chain_tree
+from tailtamer.rollout.eagle import EagleProposer
 from tailtamer.rollout.proposer import Proposer
 from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.stats import PHASES
-from tailtamer.rollout.suffix import SuffixProposer, padded_tree
+from tailtamer.rollout.suffix import SuffixProposer, build_tree
 from tailtamer.rollout.suffix_index import EAGLE
 
 SUFFIX_TOPK = 2  # children a node of a fused tree's suffix part (its budget: the arm's M)
@@ -92,9 +91,8 @@ class FusedProposer(Proposer):
 def fuse(tree: Tree, nodes: list[list[tuple]]) -> Tree:
     """`tree` (its nodes all valid) with each request's suffix nodes (token, parent, depth,
     probability, source; parent -1 = the root, parents first) merged in: a node whose token its
-    parent already has as a child is that child, the others are appended; padded to the
-    largest. Where every request's tree is one chain of the same length (the index only
-    extended EAGLE's chain), it is verified as a chain."""
+    parent already has as a child is that child, the others are appended (`build_tree`: a
+    chain where the index only extended EAGLE's chain in every request)."""
     tokens, parents, depths = (t.tolist() for t in (tree.tokens, tree.parents, tree.depths))
     sources = tree.sources.tolist() if tree.sources is not None else [[0] + [EAGLE] * (len(row) - 1) for row in tokens]
     for b, row in enumerate(nodes):
@@ -111,7 +109,4 @@ def fuse(tree: Tree, nodes: list[list[tuple]]) -> Tree:
                 dep.append(dep[p] + 1)
                 src.append(source)
             at.append(i)
-    width, dev = max(map(len, tokens)), tree.tokens.device
-    if all(len(p) == width and p == list(range(-1, width - 1)) for p in parents):
-        return replace(chain_tree(torch.tensor(tokens, device=dev)), sources=torch.tensor(sources, device=dev))
-    return padded_tree(tokens, parents, depths, sources, width, dev)
+    return build_tree(tokens, parents, depths, sources, tree.tokens.device)

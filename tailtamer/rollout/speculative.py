@@ -122,6 +122,14 @@ class Strategy:
         return cls(*map(int, parts), confidence, int(extra) if plus else 0, model_free)
 
 
+def rows_ahead(strategies: list[Strategy]) -> tuple[int, int]:
+    """(verify, draft rows): the most tokens any of the arms verifies, which the target's cache
+    holds past a request's end, and the most draft rows any drafts into the drafter's cache
+    (a tree's beams below the first level; the suffix index drafts none)."""
+    return (max(s.width for s in strategies),
+            max(((s.depth - 1) * s.topk for s in strategies if not s.model_free), default=0))
+
+
 @dataclass
 class Tree:
     """Per request (B rows) N nodes, parents before children; node 0 is the pending token.

@@ -14,9 +14,12 @@ with probability p(token) (rollout/speculative.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tailtamer.rollout.draft_history import DraftHistory
+from tailtamer.rollout.eagle import chain_tree
 from tailtamer.rollout.proposer import Proposer
 from tailtamer.rollout.speculative import Strategy, Tree
 from tailtamer.rollout.stats import PHASES
@@ -36,7 +39,8 @@ class SuffixProposer(Proposer):
 
     def __init__(self, history: DraftHistory | None = None):
         self.history = history
-        self.groups: dict[int, list] = {}  # prompt index -> [index or None, members [request, tokens indexed, text]]
+        # prompt index -> [index or None, members [request, tokens indexed, text], earlier responses]
+        self.groups: dict[int, list] = {}
         self.texts: dict[tuple[int, int], int] = {}  # (prompt index, sample index) -> its text in the index
         self.counts = {"indexed": 0, "drafted": 0}  # tokens, for the cost per token (`bench profile`)
 
@@ -45,7 +49,13 @@ class SuffixProposer(Proposer):
 
     def admit(self, requests: list) -> None:
         for r in requests:
-            self.groups.setdefault(r.prompt_index, [None, []])[1].append([r, 0, -1])
+            if r.prompt_index not in self.groups:
+                # the earlier rollouts' responses, as they are now: this rollout's finished
+                # siblings, added to the history as they retire, are members already, and would
+                # be counted twice and push the earlier ones out before the index is built
+                earlier = self.history.responses(r.prompt_ids) if self.history is not None else ()
+                self.groups[r.prompt_index] = [None, [], earlier]
+            self.groups[r.prompt_index][1].append([r, 0, -1])
 
     def retire(self, requests: list) -> None:
         if self.history is not None:
@@ -53,15 +63,15 @@ class SuffixProposer(Proposer):
                 self.history.add(r.prompt_ids, r.output_ids)
 
     def _sync(self, prompt_indices) -> None:
-        """These groups' indexes (made with the prompt's history at first) extended by every
-        member's tokens committed since: O(new tokens)."""
+        """These groups' indexes (made with the prompt's earlier responses at first) extended by
+        every member's tokens committed since: O(new tokens)."""
         for p in prompt_indices:
             group = self.groups[p]
             if group[0] is None:
                 group[0] = SuffixIndex()
                 prompt = group[1][0][0].prompt_ids
-                for response in self.history.responses(prompt) if self.history is not None else ():
-                    group[0].add_text(prompt + response, history=True)
+                for response in group[2]:
+                    group[0].extend(group[0].add_text(prompt, history=True), response)
                     self.counts["indexed"] += len(prompt) + len(response)
             index = group[0]
             for m in group[1]:
@@ -86,21 +96,27 @@ class SuffixProposer(Proposer):
 
     def propose(self, running: list, starts: torch.Tensor, strategy: Strategy) -> Tree:
         nodes = self.drafts(running, strategy.depth, strategy.verify - 1, strategy.topk, strategy.confidence)
-        return tree_of([r.output_ids[-1] for r in running], nodes, strategy.verify, starts.device)
+        return tree_of([r.output_ids[-1] for r in running], nodes, starts.device)
 
 
-def tree_of(pending: list[int], nodes: list[list[tuple]], width: int, device) -> Tree:
+def tree_of(pending: list[int], nodes: list[list[tuple]], device) -> Tree:
     """The Tree of per-request draft nodes (token, parent, depth, probability, source; parent
-    -1 = the pending root), padded to `width` nodes."""
-    return padded_tree([[s] + [n[0] for n in row] for s, row in zip(pending, nodes)],
-                       [[-1] + [n[1] + 1 for n in row] for row in nodes], [[0] + [n[2] for n in row] for row in nodes],
-                       [[0] + [n[4] for n in row] for row in nodes], width, device)
+    -1 = the pending root), `build_tree`'s."""
+    return build_tree([[s] + [n[0] for n in row] for s, row in zip(pending, nodes)],
+                      [[-1] + [n[1] + 1 for n in row] for row in nodes], [[0] + [n[2] for n in row] for row in nodes],
+                      [[0] + [n[4] for n in row] for row in nodes], device)
 
 
-def padded_tree(tokens: list[list[int]], parents: list[list[int]], depths: list[list[int]],
-                sources: list[list[int]], width: int, device) -> Tree:
-    """The Tree of per-request nodes (all valid, parents first, node 0 the pending root), each
-    request's padded to `width` with nodes no walk reaches (parent -1, not valid)."""
+def build_tree(tokens: list[list[int]], parents: list[list[int]], depths: list[list[int]],
+               sources: list[list[int]], device) -> Tree:
+    """The Tree of per-request nodes (all valid, parents first, node 0 the pending root), as
+    wide as the most any request has, not the arm's budget: a step whose drafts are few
+    verifies few. Where every request's nodes are one chain of the same length it is verified
+    as a chain (causal attention, in fewer operations); else each request's nodes are padded
+    with nodes no walk reaches (parent -1, not valid)."""
+    width = max(map(len, tokens))
+    if all(len(p) == width and p == list(range(-1, width - 1)) for p in parents):
+        return replace(chain_tree(torch.tensor(tokens, device=device)), sources=torch.tensor(sources, device=device))
     pad = lambda rows, value: [row + [value] * (width - len(row)) for row in rows]  # noqa: E731
     as_tensor = lambda rows, dtype: torch.tensor(rows, dtype=dtype, device=device)  # noqa: E731
     return Tree(as_tensor(pad(tokens, 0), torch.long), as_tensor(pad(parents, -1), torch.long),

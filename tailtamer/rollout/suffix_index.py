@@ -8,9 +8,13 @@ interleaving. A state stands for a set of substrings with the same end positions
 is how many end positions that is, over all texts, and `latest` the text of the most recent.
 
 Costs: extending a text by a token adds at most two states (amortised O(1) transitions) and
-then walks the new end position's suffix links to count it (the walk's length is the number
-of distinct right-contexts of the text's suffixes: a few states on real text, `bench
-profile`). Matching is free: the longest suffix of a text that was followed by something
+then walks the new end position's suffix links to count it, at most `WALK` states. The walk's
+length is the number of distinct right-contexts of the text's suffixes: a few states on real
+text (`bench profile`), but it grows with a loop's length when a text repeats a short period,
+the runaway response of a long tail (one token repeated: 65 µs a token at 2,000 tokens,
+quadratic). Past `WALK` states the new end position is not counted in the shortest suffixes'
+states: counts only order and prune the drafts, never what is emitted, and a loop is still
+drafted from its longest match, whose states the walk reaches first. Matching is free: the longest suffix of a text that was followed by something
 somewhere is the first state with transitions on the suffix-link path from the text's last
 state (a state's strings share their end positions, hence their followers), so the match
 length and the counts of every follower come straight from the automaton.
@@ -29,6 +33,7 @@ import itertools
 # Where a draft token came from (`Tree.sources`): the EAGLE drafter, or the suffix index by the
 # text of the token's latest occurrence (0: the pending root and padding).
 EAGLE, OWN, SIBLING, HISTORY = 1, 2, 3, 4
+WALK = 32  # states counted per new end position (the module's docstring)
 SOURCE_NAMES = {EAGLE: "eagle", OWN: "own", SIBLING: "siblings", HISTORY: "history"}
 
 
@@ -40,13 +45,11 @@ class SuffixIndex:
         self.count: list[int] = [0]  # end positions of its strings, over all texts
         self.latest: list[int] = [-1]  # the text of its most recent end position
         self.lasts: list[int] = []  # text -> the state of the whole text
-        self.sizes: list[int] = []  # text -> tokens in it
         self.history: list[bool] = []  # text -> an earlier step's response (else a live request)
 
     def add_text(self, tokens=(), history: bool = False) -> int:
         """A new text (empty, or `tokens`); returns its id."""
         self.lasts.append(0)
-        self.sizes.append(0)
         self.history.append(history)
         text = len(self.lasts) - 1
         self.extend(text, tokens)
@@ -58,13 +61,13 @@ class SuffixIndex:
         last = self.lasts[text]
         for c in tokens:
             last = self._step(last, c)
-            v = last  # count the new end position in every state it belongs to
-            while v > 0:
+            v, walk = last, WALK  # count the new end position in the states it belongs to
+            while v > 0 and walk:
                 count[v] += 1
                 latest[v] = text
                 v = link[v]
+                walk -= 1
         self.lasts[text] = last
-        self.sizes[text] += len(tokens)
 
     def _step(self, last: int, c: int) -> int:
         """The state of (text + c), given `last`, the state of the text."""

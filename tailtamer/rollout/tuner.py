@@ -1,7 +1,8 @@
 """Choosing the speculative strategy per decode step from live measurements.
 
 BEG-MAB (bucketed multi-armed bandit; TLT §2.3, fastrl `eagle_mab.py`):
-  - strategies are grouped by tokens-to-verify N, groups sorted by N descending;
+  - strategies are grouped by the tokens they verify at most (N; N + M for a fused tree,
+    `Strategy.width`), groups sorted by it, descending;
   - batch-size thresholds t_1 = 1 < t_2 < ... < t_m split batch sizes into buckets
     B_i = [t_i, t_(i+1) − 1] (the last one open), and bucket i gets the i-th group, so small
     batches verify large trees and larger batches small ones (paper Table 4);
