@@ -27,6 +27,11 @@ SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy"
               "tuner": "--tuner", "compile": "--compile"}
 
 
+def flagged(e: ConfigError) -> ConfigError:
+    """`generate`'s spec errors, named by the flags that set the fields there."""
+    return ConfigError(re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e)))
+
+
 # Directories the output checks created, removed again (if still empty) when the command
 # fails: a mistyped option must not leave an empty --out behind.
 _CREATED: list[Path] = []
@@ -134,16 +139,17 @@ def cmd_generate(args) -> None:
             require_vllm("--backend vllm")
             if args.dtype == "float64":
                 raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
-        arms = {"strategies": VLLM_STRATEGIES} if vllm else {}  # chains: vLLM drafts no trees
-        spec = SpecConfig(mode=args.spec, strategy=args.strategy or (VLLM_STRATEGY if vllm else None),
+        chains = vllm and args.drafter != "suffix"  # vLLM drafts no trees (the suffix drafter: check_strategies)
+        arms = {"strategies": VLLM_STRATEGIES} if chains else {}
+        spec = SpecConfig(mode=args.spec, strategy=args.strategy or (VLLM_STRATEGY if chains else None),
                           drafter=args.drafter, bs_threshold=args.bs_threshold, tuner=args.tuner,
                           compile=args.compile and not vllm, **arms)
         if vllm:
             check_strategies(spec)
         else:
             check_engine_drafter(spec)
-    except ConfigError as e:  # named by the flags that set them here, not the config fields
-        raise ConfigError(re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))) from None
+    except ConfigError as e:
+        raise flagged(e) from None
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
     device = resolve_device(args.device)
@@ -162,8 +168,12 @@ def cmd_generate(args) -> None:
                              VLLMConfig(dtype=args.dtype, compile=args.compile), args.max_batch_size,
                              log_file=Path(args.out).with_suffix(".vllm.log"))
     else:
+        try:
+            speculator = make_speculator(spec, model)
+        except ConfigError as e:
+            raise flagged(e) from None
         engine = EmbeddedBackend(Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
-                                        speculator=make_speculator(spec, model)))
+                                        speculator=speculator))
     labels = [f"{args.prompts}:{row['_row']}" for row in rows]
     try:
         completions, stats = engine.generate(prompts, params, labels=labels)

@@ -398,8 +398,9 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
     for item in overrides:
         apply_override(data, item)
     if isinstance(data.get("rollout"), dict) and data["rollout"].get("backend") == "vllm" and \
-            isinstance(data.setdefault("spec", {}), dict):
-        # our engine's default arms hold trees, which vLLM cannot draft: unset, its defaults are chains
+            isinstance(data.setdefault("spec", {}), dict) and data["spec"].get("drafter") != "suffix":
+        # our engine's default arms hold trees, which vLLM cannot draft: unset, its defaults are
+        # chains (the suffix drafter's are its own, and vLLM's check says where it runs)
         data["spec"].setdefault("strategies", list(VLLM_STRATEGIES))
         data["spec"].setdefault("strategy", VLLM_STRATEGY)
     try:

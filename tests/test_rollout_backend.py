@@ -185,6 +185,8 @@ def test_the_vllm_backend_takes_chains_for_the_default_arms():
     ("spec.compile=true", "with rollout.backend=vllm use vllm.compile"),
     ("vllm.kv_cache_gb=0", "vllm.kv_cache_gb must be > 0"),
     ("spec.acceptance=synthetic", "is refused: tailtamer only verifies losslessly"),
+    ("spec.drafter=suffix", "^spec.drafter=suffix runs on rollout.backend=tailtamer"),  # not vLLM's default arms
+    ("spec.drafter=suffix spec.mode=on", "^spec.drafter=suffix runs on rollout.backend=tailtamer"),
 ])
 def test_what_the_vllm_backend_cannot_run_is_refused_at_start_up(override, message):
     with pytest.raises(ConfigError, match=message):

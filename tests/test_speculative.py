@@ -263,8 +263,11 @@ def test_bad_strategies(text, message):
         Strategy.parse(text)
 
 
-def test_strategy_candidates():
-    assert Strategy.parse("8_4_48").candidates == 4 + 7 * 16
+def test_a_tree_may_verify_every_candidate_its_beams_draft_and_no_more():
+    # 3 levels of 2 beams: 2 children of the root, then 2 × 2 at each of the 2 levels below
+    assert Strategy.parse("3_2_11").verify == 11
+    with pytest.raises(ConfigError, match="11 draft tokens requested but depth 3 x top-k 2 yields only 10 candidates"):
+        Strategy.parse("3_2_12")
 
 
 @pytest.mark.parametrize("text,message", [("4_1_5@1", "in \\(0, 1\\)"), ("4_1_5@0", "in \\(0, 1\\)"),

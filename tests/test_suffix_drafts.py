@@ -15,7 +15,7 @@ from tailtamer.rollout.eagle import EagleProposer, chain_tree
 from tailtamer.rollout.engine import Engine, EngineConfig, Request
 from tailtamer.rollout.fused import FusedProposer, fuse
 from tailtamer.rollout.sampling import SamplingParams, target_probs
-from tailtamer.rollout.speculative import Strategy, Tree
+from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.speculator import SpecConfig, Speculator, make_speculator
 from tailtamer.rollout.tuner import FixedTuner
 from tailtamer.rollout.suffix import SuffixProposer, tree_of
@@ -202,7 +202,8 @@ def test_suffix_strategies_parse_and_name_themselves(text, fields):
 
 @pytest.mark.parametrize("text,message", [("s4_1_9", "write s4_1_5"), ("4_1_5+s", "not DEPTH_TOPK_VERIFY"),
                                           ("4_1_5+s0x", "not DEPTH_TOPK_VERIFY"), ("s4_2_8+s3", "adds 1 to 64"),
-                                          ("4_1_5+s99", "adds 1 to 64"), ("x4_1_5", "not DEPTH_TOPK_VERIFY")])
+                                          ("4_1_5+s99", "adds 1 to 64"), ("x4_1_5", "not DEPTH_TOPK_VERIFY"),
+                                          ("4_1_5@0.3+s0", "write 4_1_5@0.3 for the EAGLE tree alone")])
 def test_bad_suffix_strategies(text, message):
     with pytest.raises(ConfigError, match=message):
         Strategy.parse(text)
@@ -224,6 +225,15 @@ def test_the_speculator_pays_for_the_index_only_where_an_arm_uses_it(target, tmp
     assert SpecConfig(mode="on", drafter="suffix", history=0).make_history(100, None) is None
     with pytest.raises(ConfigError, match="spec.drafter=ngram is vLLM's prompt lookup"):
         make_speculator(SpecConfig(mode="on", drafter="ngram"), target)
+
+
+@pytest.mark.parametrize("spec", [
+    SpecConfig(mode="on", drafter="/no/drafter", strategy="2_200_3"),
+    SpecConfig(mode="adaptive", drafter="/no/drafter", strategies=("4_1_5", "2_200_3+s4"))])
+def test_a_top_k_above_the_vocabulary_is_refused_before_the_drafter_loads(target, spec):
+    field = "spec.strategy 2_200_3" if spec.mode == "on" else "spec.strategies 2_200_3\\+s4"
+    with pytest.raises(ConfigError, match=f"^{field}: a top-k above the model's {target.config.vocab_size} tokens"):
+        make_speculator(spec, target)
 
 
 def test_a_history_cap_past_the_machines_memory_is_refused():
@@ -306,9 +316,15 @@ def test_the_history_file_round_trips_per_worker(tmp_path):
 
 @pytest.mark.parametrize("content,reason", [
     ("{not json", "JSONDecodeError"),
-    (json.dumps({"format": "tailtamer draft history", "vocab_size": 60, "workers": []}),
+    ("[" * 100_000 + "]" * 100_000, "RecursionError"),
+    (json.dumps({"format": "tailtamer draft history", "version": 1, "vocab_size": 60, "workers": []}),
      "made for a vocabulary of 60 tokens, this model has 50"),
-    (json.dumps({"format": "tailtamer draft history", "vocab_size": 50, "workers": [[["k" * 32, [[1, 99]]]]]}),
+    (json.dumps({"format": "tailtamer draft history", "version": 1, "vocab_size": "50", "workers": []}),
+     "vocab_size '50' is not a number of tokens"),
+    (json.dumps({"format": "tailtamer draft history", "version": 2, "vocab_size": 50, "workers": []}),
+     "version 2, this tailtamer reads version 1"),
+    (json.dumps({"format": "tailtamer draft history", "version": 1, "vocab_size": 50,
+                 "workers": [[["k" * 32, [[1, 99]]]]]}),
      "is not a prompt key and lists of token ids below 50"),
     (json.dumps({"format": "other"}), "not a draft history"),
 ])
@@ -323,12 +339,6 @@ def test_a_bad_history_file_is_one_line_naming_it(tmp_path, content, reason):
     assert message.startswith(f"{path}: cannot read the draft history") and reason in message
     assert "spec.history_on_resume=fresh" in message and "\n" not in message
     assert kept(h, [1]) == [[2]]  # nothing lost
-
-
-def test_tree_sources_default_to_the_eagle_drafter():
-    t = Tree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]),
-             torch.ones(1, 2, dtype=torch.bool), depth=1)
-    assert t.sources is None
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_p=0.9, n=3, max_new_tokens=30, seed=8,

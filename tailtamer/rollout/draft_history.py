@@ -19,7 +19,7 @@ from pathlib import Path
 from tailtamer.atomic import atomic_write_text
 from tailtamer.errors import CheckpointError
 
-FORMAT = "tailtamer draft history"
+FORMAT, VERSION = "tailtamer draft history", 1
 FILE = "draft_history.json"
 BYTES_PER_TOKEN = 4  # kept as int32 arrays
 
@@ -56,8 +56,12 @@ class DraftHistory:
             blob = json.loads(path.read_text())
             if not isinstance(blob, dict) or blob.get("format") != FORMAT or not isinstance(blob.get("workers"), list):
                 raise ValueError("not a draft history")
-            if blob.get("vocab_size") != self.vocab_size:
-                raise ValueError(f"made for a vocabulary of {blob.get('vocab_size')} tokens, this model has "
+            if blob.get("version") != VERSION:
+                raise ValueError(f"version {blob.get('version')!r}, this tailtamer reads version {VERSION}")
+            if type(blob.get("vocab_size")) is not int:
+                raise ValueError(f"vocab_size {blob.get('vocab_size')!r} is not a number of tokens")
+            if blob["vocab_size"] != self.vocab_size:
+                raise ValueError(f"made for a vocabulary of {blob['vocab_size']} tokens, this model has "
                                  f"{self.vocab_size}")
             workers = blob["workers"]
             for entries in workers:
@@ -68,7 +72,7 @@ class DraftHistory:
                             for r in responses):
                         raise ValueError(f"entry {str(key)[:40]!r} is not a prompt key and lists of token ids "
                                          f"below {self.vocab_size}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested too deep to parse
             raise CheckpointError(f"{path}: cannot read the draft history ({type(e).__name__}: {e}); resume without "
                                   f"it with spec.history_on_resume=fresh") from None
         self.prompts, self.tokens = OrderedDict(), 0
@@ -94,5 +98,5 @@ class DraftHistory:
 
 def save_histories(path: Path, workers: list[list], vocab_size: int) -> None:
     """Every worker's `DraftHistory.entries()` in one file, written atomically."""
-    atomic_write_text(path, json.dumps({"format": FORMAT, "version": 1, "vocab_size": vocab_size, "workers": workers},
-                                       separators=(",", ":")) + "\n")
+    blob = {"format": FORMAT, "version": VERSION, "vocab_size": vocab_size, "workers": workers}
+    atomic_write_text(path, json.dumps(blob, separators=(",", ":")) + "\n")

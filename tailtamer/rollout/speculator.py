@@ -241,6 +241,11 @@ def make_speculator(spec: SpecConfig, target, drafter=None, history: DraftHistor
     if spec.mode == "off":
         return None
     check_engine_drafter(spec)
+    vocab = target.config.vocab_size
+    wide = [n for n in spec.in_use if not (s := Strategy.parse(n)).model_free and s.topk > vocab]
+    if wide:
+        raise ConfigError(f"{'spec.strategy' if spec.one_strategy else 'spec.strategies'} {', '.join(wide)}: a top-k "
+                          f"above the model's {vocab} tokens (a draft node has at most {vocab} children)")
     if spec.drafter == "suffix":
         proposer = SuffixProposer(history)
     else:

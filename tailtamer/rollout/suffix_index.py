@@ -14,10 +14,12 @@ text (`bench profile`), but it grows with a loop's length when a text repeats a 
 the runaway response of a long tail (one token repeated: 65 µs a token at 2,000 tokens,
 quadratic). Past `WALK` states the new end position is not counted in the shortest suffixes'
 states: counts only order and prune the drafts, never what is emitted, and a loop is still
-drafted from its longest match, whose states the walk reaches first. Matching is free: the longest suffix of a text that was followed by something
-somewhere is the first state with transitions on the suffix-link path from the text's last
-state (a state's strings share their end positions, hence their followers), so the match
-length and the counts of every follower come straight from the automaton.
+drafted from its longest match, whose states the walk reaches first.
+
+Matching is free: the longest suffix of a text that was followed by something somewhere is the
+first state with transitions on the suffix-link path from the text's last state (a state's
+strings share their end positions, hence their followers), so the match length and the counts
+of every follower come straight from the automaton.
 
 Drafts (`SuffixIndex.draft`): a trie grown best-first from the match by estimated path
 probability, each child's probability count(child) / Σ count(children) (SuffixDecoding, Oliaro
