@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tailtamer.rollout.suffix_index import HISTORY, OWN, SIBLING, WALK, SuffixIndex
+from tailtamer.rollout.suffix_index import HISTORY, MAX_MATCH, OWN, SIBLING, WALK, SuffixIndex
 
 
 def occurrences(texts, pattern):
@@ -13,10 +13,10 @@ def occurrences(texts, pattern):
     return [(t, i + n - 1) for t, s in enumerate(texts) for i in range(len(s) - n + 1) if s[i: i + n] == pattern]
 
 
-def brute_match(texts, text):
-    """The longest suffix of `text` followed by a token somewhere."""
+def brute_match(texts, text, most=MAX_MATCH):
+    """The longest suffix of `text`, at most `most` tokens, followed by a token somewhere."""
     s = texts[text]
-    for n in range(len(s), 0, -1):
+    for n in range(min(len(s), most), 0, -1):
         if any(end + 1 < len(texts[t]) for t, end in occurrences(texts, s[-n:])):
             return n
     return 0
@@ -124,15 +124,33 @@ def test_a_text_alone_drafts_from_its_own_past():
     assert [(n[0], n[4]) for n in index.draft(me, depth=2, size=4, topk=2)] == [(3, OWN), (4, OWN)]
 
 
-@pytest.mark.parametrize("period", [1, 3])
-def test_a_long_loop_costs_a_bounded_walk_a_token_and_is_still_drafted(period):
-    """A runaway response repeats a short period; counting each end position in every state of
-    its suffix-link path would cost a walk as long as the loop (quadratic). At most WALK states
-    are counted a token, and the loop is drafted from its longest match all the same: what
-    followed it, one period."""
-    loop = [7, 8, 9][:period]
+@pytest.mark.parametrize("period", [1, 3, 40])
+def test_a_long_loop_costs_a_bounded_walk_a_token_and_is_drafted_deep(period):
+    """A runaway response repeats a period; counting each end position in every state of its
+    suffix-link path would cost a walk as long as the loop (quadratic). At most WALK states are
+    counted a token; matched on its last MAX_MATCH tokens, the loop drafts on as deep as asked
+    (matched in full it matched all but its last period, which only that period followed)."""
+    loop = random.Random(period).sample(range(100), period)
     index = SuffixIndex()
     me = index.add_text(loop * (2000 // period))
     assert sum(index.count) <= WALK * 2000  # unbounded: 2000 · 2001 / 2 for one repeated token
-    nodes = index.draft(me, depth=6, size=6, topk=1)
-    assert [n[0] for n in nodes] == loop and {n[4] for n in nodes} == {OWN}
+    nodes = index.draft(me, depth=48, size=48, topk=1, alpha=2.0)
+    text = loop * (2000 // period)
+    assert [n[0] for n in nodes] == (loop * (48 // period + 2))[len(text) % period:][:48]
+    assert {n[4] for n in nodes} == {OWN} and index.match(me)[1] == MAX_MATCH
+    window = index.windows[me][0]  # kept seated (its shortest string at most MAX_MATCH + 1 long): O(1) to seat
+    assert index.length[index.link[window]] <= MAX_MATCH
+
+
+def test_a_window_follows_its_string_into_states_other_texts_split():
+    """A text's last MAX_MATCH tokens are kept as a state; texts added later split states, and
+    the window follows its string into the part split off (else its match would be a longer
+    string, or one with fewer followers)."""
+    a = list(range(10, 10 + MAX_MATCH + 8))  # every substring once: one state holds all its suffixes
+    index = SuffixIndex()
+    me = index.add_text(a)
+    index.add_text(a[-MAX_MATCH - 4:] + [3])  # the suffixes up to MAX_MATCH + 4 tokens split off, followed by 3
+    index.add_text(a[-MAX_MATCH:] + [2])  # those up to MAX_MATCH split off again, followed by 2
+    state, length = index.match(me)
+    assert length == MAX_MATCH == brute_match([a, a[-MAX_MATCH - 4:] + [3], a[-MAX_MATCH:] + [2]], 0)
+    assert index.followers(state) == {2: 1, 3: 1}

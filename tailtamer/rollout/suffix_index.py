@@ -16,10 +16,16 @@ quadratic). Past `WALK` states the new end position is not counted in the shorte
 states: counts only order and prune the drafts, never what is emitted, and a loop is still
 drafted from its longest match, whose states the walk reaches first.
 
-Matching is free: the longest suffix of a text that was followed by something somewhere is the
-first state with transitions on the suffix-link path from the text's last state (a state's
-strings share their end positions, hence their followers), so the match length and the counts
-of every follower come straight from the automaton.
+Matching is free: the longest suffix of a text, at most `MAX_MATCH` tokens, that was followed
+by something somewhere is the first state with transitions on the suffix-link path from the
+state of the text's last `MAX_MATCH` tokens (a state's strings share their end positions, hence
+their followers), so the match length and the counts of every follower come straight from the
+automaton. Each text keeps that state, its window, moved along by every token it is extended
+by (amortised O(1)). The bound is what lets a loop draft deep: matched in full, a text that
+repeats itself matches everything but its last period, which only that period followed;
+matched on its last `MAX_MATCH` tokens, it matches an earlier turn of the loop, whose
+continuation runs on as far as the arm drafts (SuffixDecoding bounds its pattern length the
+same way).
 
 Drafts (`SuffixIndex.draft`): a trie grown best-first from the match by estimated path
 probability, each child's probability count(child) / Σ count(children) (SuffixDecoding, Oliaro
@@ -36,6 +42,7 @@ import itertools
 # text of the token's latest occurrence (0: the pending root and padding).
 EAGLE, OWN, SIBLING, HISTORY = 1, 2, 3, 4
 WALK = 32  # states counted per new end position (the module's docstring)
+MAX_MATCH = 32  # tokens a match is at most (ditto): deep enough to place a draft, short enough to find a loop's turn
 SOURCE_NAMES = {EAGLE: "eagle", OWN: "own", SIBLING: "siblings", HISTORY: "history"}
 
 
@@ -47,11 +54,13 @@ class SuffixIndex:
         self.count: list[int] = [0]  # end positions of its strings, over all texts
         self.latest: list[int] = [-1]  # the text of its most recent end position
         self.lasts: list[int] = []  # text -> the state of the whole text
+        self.windows: list[tuple[int, int]] = []  # text -> (state, n) of its last n = min(MAX_MATCH, len) tokens
         self.history: list[bool] = []  # text -> an earlier step's response (else a live request)
 
     def add_text(self, tokens=(), history: bool = False) -> int:
         """A new text (empty, or `tokens`); returns its id."""
         self.lasts.append(0)
+        self.windows.append((0, 0))
         self.history.append(history)
         text = len(self.lasts) - 1
         self.extend(text, tokens)
@@ -61,6 +70,7 @@ class SuffixIndex:
         """Append `tokens` to `text`."""
         link, count, latest = self.link, self.count, self.latest
         last = self.lasts[text]
+        w, n = self.windows[text]
         for c in tokens:
             last = self._step(last, c)
             v, walk = last, WALK  # count the new end position in the states it belongs to
@@ -69,7 +79,18 @@ class SuffixIndex:
                 latest[v] = text
                 v = link[v]
                 walk -= 1
+            # the window's string was a suffix of the text, so + c it is one now: a transition
+            w, n = self.next[self._seat(w, n)][c], min(n + 1, MAX_MATCH)
         self.lasts[text] = last
+        self.windows[text] = (w, n)
+
+    def _seat(self, v: int, n: int) -> int:
+        """The state holding the n-token string that state v holds (one of its strings, or a
+        string of a state a split took it into: the shorter strings go to the clone, v's link)."""
+        length, link = self.length, self.link
+        while v > 0 and length[link[v]] >= n:
+            v = link[v]
+        return v
 
     def _step(self, last: int, c: int) -> int:
         """The state of (text + c), given `last`, the state of the text."""
@@ -109,9 +130,14 @@ class SuffixIndex:
         return len(self.next) - 1
 
     def match(self, text: int) -> tuple[int, int]:
-        """(state, length): the longest suffix of `text` that is followed by a token somewhere
-        (in any text, its own earlier part included); (0, 0) if none."""
-        v, nxt, link = self.lasts[text], self.next, self.link
+        """(state, length): the longest suffix of `text`, at most MAX_MATCH tokens, that is followed
+        by a token somewhere (in any text, its own earlier part included); (0, 0) if none."""
+        v, n = self.windows[text]
+        v = self._seat(v, n)  # other texts' tokens may have split its state since
+        nxt, link = self.next, self.link
+        if v > 0 and nxt[v]:
+            return v, n
+        v = link[v] if v > 0 else 0
         while v > 0 and not nxt[v]:
             v = link[v]
         return (v, self.length[v]) if v > 0 else (0, 0)
