@@ -29,7 +29,8 @@ SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy"
 
 def flagged(e: ConfigError) -> ConfigError:
     """`generate`'s spec errors, named by the flags that set the fields there."""
-    return ConfigError(re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e)))
+    named = re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))
+    return ConfigError(named.replace("rollout.backend", "--backend"))
 
 
 # Directories the output checks created, removed again (if still empty) when the command

@@ -72,7 +72,8 @@ class DraftHistory:
                             for r in responses):
                         raise ValueError(f"entry {str(key)[:40]!r} is not a prompt key and lists of token ids "
                                          f"below {self.vocab_size}")
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested too deep to parse
+        # RecursionError: nested too deep to parse
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(f"{path}: cannot read the draft history ({type(e).__name__}: {e}); resume without "
                                   f"it with spec.history_on_resume=fresh") from None
         self.prompts, self.tokens = OrderedDict(), 0

@@ -314,7 +314,7 @@ class EagleProposer(Proposer):
 
     def catch_up(self, running: list) -> bool:
         """Run the drafter over every observed pair but each request's last (the backlog of
-        plain steps and prefills), leaving the SD step only its own extend."""
+        plain steps, prefills and model-free drafts), leaving the SD step only its own extend."""
         self._flush()
         behind = [r for r in running if r.cached - self.drafted[r.slot] > 1]
         if behind:

@@ -215,8 +215,9 @@ class Engine:
             PHASES.mark("engine loop")
             step = self._schedule(queue, running, slots, drafted)
             if step.catch_up:
-                # The switch: the drafter catches up on what plain steps and prefills left,
-                # charged to no arm (the first arm pulled would otherwise pay it).
+                # The switch: the drafter catches up on what plain steps, prefills and
+                # model-free drafts left, charged to no arm (the first arm pulled would
+                # otherwise pay it).
                 t0 = time.perf_counter()
                 if spec.proposer.catch_up(running):
                     stats.catch_up_s += time.perf_counter() - t0

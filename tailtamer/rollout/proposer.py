@@ -17,8 +17,9 @@ The engine calls, in this order:
   hidden_of(slot, rows)     when a request finishes, if the caller keeps hidden states: the
                             final hidden states of its first `rows` positions, as observed;
   retire(requests)          requests that have just finished (before their slots are reused);
-  catch_up(running)         before the first SD step after plain steps or a prefill (timed
-                            apart: the switch's cost, charged to no strategy);
+  catch_up(running)         before the first drafter SD step after plain steps, a prefill or
+                            model-free drafts (timed apart: the switch's cost, charged to no
+                            strategy);
   propose(running, starts, strategy) -> Tree
                             every SD step: the draft tree of each running request.
 Per-slot state (features, a drafter's KV cache) belongs to the proposer; the engine's

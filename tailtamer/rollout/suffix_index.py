@@ -5,16 +5,17 @@ token by token as the engine commits it, and earlier responses to the same promp
 It is a generalised suffix automaton (Blumer et al. 1985; the online construction of
 Inenaga et al. 2005), each text keeping its own `last` state, so texts may grow in any
 interleaving. A state stands for a set of substrings with the same end positions; `count`
-is how many end positions that is, over all texts, and `latest` the text of the most recent.
+is how many end positions that is, over all texts, and `latest` the text of the most recent
+(exact while each token's walk below stays within `WALK` states; lower bounds past it).
 
 Costs: extending a text by a token adds at most two states (amortised O(1) transitions) and
 then walks the new end position's suffix links to count it, at most `WALK` states. The walk's
 length is the number of distinct right-contexts of the text's suffixes: a few states on real
 text (`bench profile`), but it grows with a loop's length when a text repeats a short period,
 the runaway response of a long tail (one token repeated: 65 µs a token at 2,000 tokens,
-quadratic). Past `WALK` states the new end position is not counted in the shortest suffixes'
-states: counts only order and prune the drafts, never what is emitted, and a loop is still
-drafted from its longest match, whose states the walk reaches first.
+quadratic). The walk reaches the longest suffixes first; past `WALK` states the shorter
+suffixes' `count` and `latest` stop growing. They only order and prune the drafts and label
+their source, never decide what is emitted; inside a loop each node has one follower anyway.
 
 Matching is free: the longest suffix of a text, at most `MAX_MATCH` tokens, that was followed
 by something somewhere is the first state with transitions on the suffix-link path from the
@@ -51,7 +52,7 @@ class SuffixIndex:
         self.next: list[dict[int, int]] = [{}]  # state -> {token: state}
         self.link: list[int] = [-1]  # suffix link (root: -1)
         self.length: list[int] = [0]  # the longest string of the state
-        self.count: list[int] = [0]  # end positions of its strings, over all texts
+        self.count: list[int] = [0]  # end positions of its strings, over all texts (`WALK`: at most)
         self.latest: list[int] = [-1]  # the text of its most recent end position
         self.lasts: list[int] = []  # text -> the state of the whole text
         self.windows: list[tuple[int, int]] = []  # text -> (state, n) of its last n = min(MAX_MATCH, len) tokens
@@ -112,7 +113,7 @@ class SuffixIndex:
 
     def _split(self, p: int, c: int, q: int) -> int:
         """Clone q into the state of p's strings + c (the shorter half of q's strings), which
-        keeps q's end positions (the walk in `extend` then adds the new one)."""
+        keeps q's end positions (the walk in `extend` then adds the new one, within `WALK`)."""
         nxt, link = self.next, self.link
         clone = self._new(self.length[p] + 1, dict(nxt[q]), link[q], self.count[q], self.latest[q])
         link[q] = clone
