@@ -284,7 +284,7 @@ def test_a_group_drafts_from_the_earlier_responses_its_finished_siblings_pushed_
     assert kept(history, [1, 2]) == [[20, 21, 22, 3]]
     [nodes] = proposer.drafts([running], depth=4, size=4, topk=1, floor=0.0)
     assert [(token, source) for token, _, _, _, source in nodes] == [(12, HISTORY)]
-    index = proposer.groups[0][0]
+    index = proposer.groups[0].index
     state, matched = index.match(index.add_text([20, 21]))
     assert matched == 2 and index.followers(state) == {22: 1}  # the finished sibling, once
 

