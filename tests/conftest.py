@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from tailtamer.model.config import ModelConfig
 from tailtamer.model.io import init_model, save_model
@@ -18,6 +19,44 @@ def random_model(cfg: ModelConfig | None = None, seed: int = 0, std: float = 0.3
     """A random model with large enough weights that its distributions are far from uniform,
     and random (non-zero) biases so that bias handling is exercised."""
     return init_model(cfg or tiny_config(), seed=seed, std=std, perturb=0.1)
+
+
+def token_prompts(n, seed=0, vocab=100):
+    """n prompts of 1 to 13 random token ids in [5, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab, (int(k),), generator=g).tolist() for k in torch.randint(1, 14, (n,), generator=g)]
+
+
+TRAIN_PROMPTS = token_prompts(64, seed=9)
+
+
+@pytest.fixture(scope="session")
+def target():
+    """The speculative-decoding tests' random target, in float64 (a module may define its own)."""
+    return random_model(tiny_config()).double()
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(target):
+    """A drafter warmed up on the random target's own greedy continuations of TRAIN_PROMPTS."""
+    from tailtamer.drafter.train import DrafterTrainConfig, train_drafter
+    from tailtamer.rollout.engine import Engine
+    from tailtamer.rollout.sampling import SamplingParams
+
+    outs, _ = Engine(target).generate(TRAIN_PROMPTS, SamplingParams(temperature=0, max_new_tokens=60))
+    seqs = [p + c.token_ids for p, c in zip(TRAIN_PROMPTS, outs)]
+    drafter, _ = train_drafter(target, seqs, DrafterTrainConfig(steps=150, batch_size=16, lr=3e-3),
+                               log=lambda _: None)
+    return drafter
+
+
+def generate(model, prompts, params, batch, proposer=None, strategy=None):
+    """`Engine.generate` at max_batch_size `batch`, plain, or with SD at every step (`strategy`)."""
+    from tailtamer.rollout.engine import Engine, EngineConfig
+    from tailtamer.rollout.speculator import Speculator
+
+    speculator = Speculator.fixed(proposer, strategy) if proposer is not None else None
+    return Engine(model, config=EngineConfig(max_batch_size=batch), speculator=speculator).generate(prompts, params)
 
 
 @pytest.fixture

@@ -21,9 +21,8 @@ from tailtamer.model.transformer import rotary_table
 from tailtamer.rollout.eagle import EagleProposer
 from tailtamer.rollout.engine import Engine
 from tailtamer.rollout.sampling import SamplingParams
-from conftest import tiny_config
+from conftest import generate, tiny_config
 from test_engine import _prompts
-from test_speculative import _generate
 
 VOCAB = tiny_config().vocab_size
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -147,9 +146,9 @@ def generation_case(request, tmp_path_factory):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_generation_matches_transformers_with_and_without_speculation(generation_case, batch):
     _, target, expected = generation_case
-    plain, _ = _generate(target, PROMPTS, GREEDY, batch)
+    plain, _ = generate(target, PROMPTS, GREEDY, batch)
     assert [c.token_ids for c in plain] == expected
-    spec, stats = _generate(target, PROMPTS, GREEDY, batch, EagleProposer(init_drafter(target, std=0.2)), "3_2_6")
+    spec, stats = generate(target, PROMPTS, GREEDY, batch, EagleProposer(init_drafter(target, std=0.2)), "3_2_6")
     assert [c.token_ids for c in spec] == expected
     assert stats.sd_steps > 0
 
@@ -158,7 +157,7 @@ def test_greedy_generation_matches_transformers_with_and_without_speculation(gen
 def test_without_rope_scaling_generation_differs(generation_case, tmp_path):
     path, _, expected = generation_case
     plain = load_model(_without_rope_scaling(path, tmp_path / "plain"), "float64")
-    got, _ = _generate(plain, PROMPTS, GREEDY, 4)
+    got, _ = generate(plain, PROMPTS, GREEDY, 4)
     assert [c.token_ids for c in got] != expected
 
 
