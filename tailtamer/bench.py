@@ -189,6 +189,7 @@ def bench_sd(model_dir: str | None = None, batches=SD_BATCHES, strategies=SD_STR
                 same = sum(a.token_ids == b.token_ids for a, b in zip(plain, sd)) / len(sd)
                 rows.append({"group": size, "batch": batch, "drafter": name,
                              "accept_len": round(stats.accept_len_mean, 3),
+                             "by_source": stats.summary()["by_source"],  # of the last run
                              "speedup": round(statistics.median(t_plain) / statistics.median(t_sd), 3),
                              "plain_tokens_per_s": round(sum(len(c.token_ids) for c in plain)
                                                          / statistics.median(t_plain), 1),
@@ -299,6 +300,7 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             "accept_len_mean": round(s["accept_len_mean"], 3),
             "compile_s": round(s["setup_s"] + warm_up_s.get(name, 0.0), 1),
             "accept_len_by_strategy": {k: round(v["accept_len"], 3) for k, v in s["by_strategy"].items()},
+            "by_source": s["by_source"],  # drafted and accepted tokens, of the last run
             "accuracy": sum(reward(c.text, problems[c.prompt_index]["answer"]) for c in completions) / len(completions),
             "identical_to_plain": sum(a.token_ids == b.token_ids for a, b in zip(plain_completions, completions))
             / len(completions),

@@ -23,14 +23,37 @@ BENCH_FLAGS = {"--model": ("decode", "sd", "rollout", "profile"), "--preset": ("
                "--drafter": ("sd", "rollout", "profile"), "--steps": ("train", "profile"), "--new-tokens": ("decode",),
                "--set": ("train",), "--group": ("sd",)}
 # `generate`'s flags for the SpecConfig fields they set
-SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy", "bs_threshold": "--bs-threshold",
-              "tuner": "--tuner", "compile": "--compile"}
+SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy", "strategies": "--strategies",
+              "bs_threshold": "--bs-threshold", "tuner": "--tuner", "compile": "--compile"}
+# ... and the --spec modes that read each (--compile also sets vLLM's own compile, in any mode)
+SPEC_FLAG_MODES = {"--drafter": ("on", "adaptive"), "--strategy": ("on", "adaptive"), "--compile": ("on", "adaptive"),
+                   "--bs-threshold": ("adaptive",), "--tuner": ("adaptive",), "--strategies": ("adaptive",)}
+# SamplingParams' errors start with the field's name
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                  "max_new_tokens": "--max-new-tokens", "n": "--n", "stop": "--stop"}
 
 
 def flagged(e: ConfigError) -> ConfigError:
     """`generate`'s spec errors, named by the flags that set the fields there."""
     named = re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))
     return ConfigError(named.replace("rollout.backend", "--backend"))
+
+
+def check_spec_flags(args) -> None:
+    """A speculative-decoding flag that the chosen --spec mode (or tuner) would not read is
+    refused rather than dropped, so what runs is what was asked for."""
+    given = {"--drafter": args.drafter is not None, "--strategy": args.strategy is not None,
+             "--compile": args.compile and args.backend != "vllm", "--bs-threshold": args.bs_threshold is not None,
+             "--tuner": args.tuner is not None, "--strategies": args.strategies is not None}
+    for flag, modes in SPEC_FLAG_MODES.items():
+        if given[flag] and args.spec not in modes:
+            raise ConfigError(f"{flag} applies to --spec {' or '.join(modes)}; --spec {args.spec} does not read it")
+    fixed = args.spec == "on" or args.tuner == "fixed"
+    if args.strategy is not None and not fixed:
+        raise ConfigError("--strategy is the one arm of --spec on or --tuner fixed; --spec adaptive's bandit "
+                          "chooses among --strategies")
+    if args.strategies is not None and fixed:
+        raise ConfigError("--strategies are the bandit's arms; --tuner fixed drafts --strategy")
 
 
 # Directories the output checks created, removed again (if still empty) when the command
@@ -135,24 +158,28 @@ def cmd_generate(args) -> None:
                                                 check_params, check_strategies, require_vllm)
 
     try:
+        check_spec_flags(args)
         vllm = args.backend == "vllm"
         if vllm:
             require_vllm("--backend vllm")
             if args.dtype == "float64":
                 raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
         chains = vllm and args.drafter != "suffix"  # vLLM drafts no trees (the suffix drafter: check_strategies)
-        arms = {"strategies": VLLM_STRATEGIES} if chains else {}
+        arms = args.strategies or (VLLM_STRATEGIES if chains else None)
         spec = SpecConfig(mode=args.spec, strategy=args.strategy or (VLLM_STRATEGY if chains else None),
-                          drafter=args.drafter, bs_threshold=args.bs_threshold, tuner=args.tuner,
-                          compile=args.compile and not vllm, **arms)
+                          drafter=args.drafter, bs_threshold=args.bs_threshold, tuner=args.tuner or "beg",
+                          compile=args.compile and not vllm, strategies=tuple(arms) if arms else None)
         if vllm:
             check_strategies(spec)
         else:
             check_engine_drafter(spec)
     except ConfigError as e:
         raise flagged(e) from None
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
+    except ConfigError as e:
+        raise ConfigError(re.sub(r"^\w+", lambda m: SAMPLING_FLAGS.get(m[0], m[0]), str(e))) from None
     device = resolve_device(args.device)
     if vllm:  # before anything loads or starts
         check_params(params, spec.mode != "off", device.type)
@@ -384,14 +411,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="tailtamer", choices=["tailtamer", "vllm"],
                    help="the engine: tailtamer (embedded) or vllm (in the environment `make vllm-env` creates)")
     g.add_argument("--spec", default="off", choices=["off", "on", "adaptive"], help="speculative decoding")
-    g.add_argument("--strategy", help="DEPTH_TOPK_VERIFY draft tree, or DEPTH_TOPK_VERIFY@C drafted as deep as the "
-                   "drafter is confident (default 4_2_8; 4_1_5 with --backend vllm)")
+    g.add_argument("--strategy", help="--spec on (or --tuner fixed): the draft tree, DEPTH_TOPK_VERIFY (EAGLE), "
+                   "D_K_N@C (drafted as deep as the drafter is confident), sD_K_N (the suffix drafter) or D_K_N+sM "
+                   "(M suffix drafts fused into the EAGLE tree); default 4_2_8, with --drafter suffix s8_2_9, with "
+                   "--backend vllm 4_1_5")
+    g.add_argument("--strategies", nargs="+", metavar="ARM", help="--spec adaptive: the bandit's arms, written as "
+                   "--strategy (default: spec.strategies' default for the drafter and backend, docs/config.md)")
     g.add_argument("--drafter", help="EAGLE drafter directory, or 'suffix' (model-free: siblings and the request's own "
                                      "text); with --backend vllm 'ngram' (vLLM's prompt lookup)")
     g.add_argument("--bs-threshold", type=int, default=SpecConfig().bs_threshold,
                    help="adaptive: speculate once at most this many requests are running (default: "
                         f"{GPU_BS_THRESHOLD} on a GPU or with --tuner fixed, every batch size on a CPU)")
-    g.add_argument("--tuner", default="beg", choices=["beg", "fixed"], help="adaptive: strategy choice")
+    g.add_argument("--tuner", choices=["beg", "fixed"], help="adaptive: the strategy's choice, beg (the bandit, "
+                   "the default) or fixed (--strategy)")
     g.add_argument("--compile", action="store_true", help="EAGLE: compile the draft chains (spec.compile); with "
                                                           "--backend vllm, vLLM compiles its model (vllm.compile)")
 

@@ -37,6 +37,9 @@ def test_bench_rollout_times_every_arm_in_every_run_on_plain_decodings_tokens(mo
     catch_up = {k: arms[k]["seconds_by_running"]["catch_up"] for k in ("plain", "sd_fixed_4_2_8")}
     assert catch_up["plain"] == 0 < catch_up["sd_fixed_4_2_8"]
     assert "speedup_by_running" in arms["adaptive"] and "speedup_by_running" not in arms["plain"]
+    # drafts by source: EAGLE's alone in the EAGLE arms, none in plain decoding's
+    assert arms["plain"]["by_source"] == {} and set(arms["sd_fixed_4_2_8"]["by_source"]) == {"eagle"}
+    assert arms["sd_fixed_4_2_8"]["by_source"]["eagle"]["drafted"] > 0
 
 
 def test_a_rollouts_seconds_split_by_running_requests_in_the_bandits_buckets():

@@ -110,7 +110,7 @@ def test_bad_sampling_flag_is_a_clear_error(model_dir, tmp_path, capsys):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
     assert main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", "o",
                  "--top-p", "0"]) == 2
-    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "error: --top-p must be in (0, 1], got 0.0" in capsys.readouterr().err
 
 
 def test_init_model_and_task_feed_generate(tmp_path):
@@ -151,7 +151,8 @@ def test_generate_with_speculation_matches_plain(model_dir, tmp_path):
     outputs = {}
     for name, extra in {"plain": [], "eagle": ["--spec", "on", "--drafter", str(drafter), "--strategy", "3_2_6"],
                         "suffix": ["--spec", "on", "--drafter", "suffix"],
-                        "fused": ["--spec", "on", "--drafter", str(drafter), "--strategy", "3_1_4+s6"]}.items():
+                        "fused": ["--spec", "on", "--drafter", str(drafter), "--strategy", "3_1_4+s6"],
+                        "arms": ["--spec", "adaptive", "--drafter", "suffix", "--strategies", "s2_1_3", "s5_1_6"]}.items():
         out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
         assert main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
                      "--n", "2", "--max-new-tokens", "20", "--seed", "4", "--stats", str(stats), *extra]) == 0
@@ -159,7 +160,9 @@ def test_generate_with_speculation_matches_plain(model_dir, tmp_path):
         s = json.loads(stats.read_text())
         assert {"accept_len_mean", "accept_len_hist", "accept_rate_by_position", "drafted_tokens",
                 "accepted_tokens"} <= set(s)
-    assert outputs["plain"] == outputs["eagle"] == outputs["suffix"] == outputs["fused"]
+        if name == "arms":  # the bandit drafted with the arms given, and only those
+            assert set(s["by_strategy"]) <= {"s2_1_3", "s5_1_6"} and s["sd_steps"] > 0
+    assert outputs["plain"] == outputs["eagle"] == outputs["suffix"] == outputs["fused"] == outputs["arms"]
 
 
 def prompts_as_texts(tmp_path):
@@ -173,6 +176,17 @@ def prompts_as_texts(tmp_path):
     (["--spec", "on", "--drafter", "suffix", "--strategy", "8x4"], "--strategy: strategy '8x4' is not DEPTH_TOPK_VERIFY"),
     (["--spec", "adaptive", "--drafter", "suffix", "--bs-threshold", "-1"], "--bs-threshold must be >= 0"),
     (["--spec", "on", "--drafter", "suffix", "--compile"], "--compile compiles an EAGLE drafter's draft chains"),
+    # a flag the mode would not read is refused, not dropped
+    (["--drafter", "suffix", "--strategy", "s8_2_9"], "--drafter applies to --spec on or adaptive; --spec off does not"),
+    (["--spec", "on", "--drafter", "suffix", "--bs-threshold", "2"], "--bs-threshold applies to --spec adaptive;"),
+    (["--spec", "on", "--drafter", "suffix", "--tuner", "beg"], "--tuner applies to --spec adaptive;"),
+    (["--spec", "adaptive", "--drafter", "suffix", "--strategy", "s4_1_5"], "--strategy is the one arm of --spec on"),
+    (["--spec", "adaptive", "--drafter", "suffix", "--tuner", "fixed", "--strategies", "s4_1_5"],
+     "--strategies are the bandit's arms; --tuner fixed drafts --strategy"),
+    (["--spec", "adaptive", "--drafter", "suffix", "--strategies", "4_1_5"], "--strategies 4_1_5: the suffix drafter"),
+    (["--spec", "on", "--drafter", "suffix", "--strategy", "s4_2_5+s3"], "s4_2_5 is the suffix drafter's arm already"),
+    (["--n", "0"], "--n must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
 ])
 def test_bad_speculation_flags(model_dir, tmp_path, capsys, extra, message):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a"})])
@@ -395,3 +409,6 @@ def test_bench_sd_runs_a_grouped_workload_beside_the_single_one(model_dir, tmp_p
     assert [(r["group"], r["drafter"]) for r in report["rows"]] == [
         (g, d) for g in (1, 4) for d in ("eagle 2_1_3", "suffix s8_2_9", "fused 4_1_5+s8", "fused 6_1_7+s8")]
     assert all(r["identical_outputs"] == 1.0 for r in report["rows"])
+    # each arm's drafts by source: EAGLE's only from the EAGLE drafter, none of them from the suffix drafter
+    sources = {r["drafter"]: set(r["by_source"]) for r in report["rows"]}
+    assert sources["eagle 2_1_3"] == {"eagle"} and "eagle" not in sources["suffix s8_2_9"]

@@ -576,6 +576,13 @@ def test_the_draft_history_is_saved_with_the_checkpoint_and_a_bad_one_is_named(t
                                               f"spec.history_on_resume=fresh"):
         _train(toy, "run.steps=3", resume=run)
     assert (run / "metrics.jsonl").read_text() == before and latest.is_dir()
+    saved = (latest / "draft_history.json").read_text()
+    (latest / "draft_history.json").unlink()
+    (latest / "draft_history.json").mkdir()  # not a file either: named as well, not taken for no history
+    with pytest.raises(CheckpointError, match=f"{latest / 'draft_history.json'}: cannot read the draft history"):
+        _train(toy, "run.steps=3", resume=run)
+    (latest / "draft_history.json").rmdir()
+    (latest / "draft_history.json").write_text(saved)
     lines = []
     _train(toy, "run.steps=3", "spec.history_on_resume=fresh", resume=run, log=lines.append)
     assert "spec.history_on_resume=fresh: the suffix drafts start without the checkpoint's history" in lines

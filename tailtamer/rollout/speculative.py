@@ -119,9 +119,12 @@ class Strategy:
         if at and not 0 < confidence < 1:
             raise ConfigError(f"strategy {text!r}: the confidence after @ must be a number in (0, 1), a path "
                               f"probability")
+        if plus and model_free:
+            raise ConfigError(f"strategy {text!r}: +sM fuses suffix drafts into an EAGLE tree; {body} is the suffix "
+                              f"drafter's arm already")
         if plus and int(extra) == 0:  # else read as the arm without it, another arm's name
-            alone = "" if model_free else f"; write {body} for the EAGLE tree alone"
-            raise ConfigError(f"strategy {text!r}: +sM adds 1 to {MAX_DEPTH} suffix drafts to an EAGLE tree{alone}")
+            raise ConfigError(f"strategy {text!r}: +sM adds 1 to {MAX_DEPTH} suffix drafts to an EAGLE tree; write "
+                              f"{body} for the EAGLE tree alone")
         return cls(*map(int, parts), confidence, int(extra) if plus else 0, model_free)
 
 
