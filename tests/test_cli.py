@@ -152,7 +152,8 @@ def test_generate_with_speculation_matches_plain(model_dir, tmp_path):
     for name, extra in {"plain": [], "eagle": ["--spec", "on", "--drafter", str(drafter), "--strategy", "3_2_6"],
                         "suffix": ["--spec", "on", "--drafter", "suffix"],
                         "fused": ["--spec", "on", "--drafter", str(drafter), "--strategy", "3_1_4+s6"],
-                        "arms": ["--spec", "adaptive", "--drafter", "suffix", "--strategies", "s2_1_3", "s5_1_6"]}.items():
+                        "arms": ["--spec", "adaptive", "--drafter", "suffix",
+                                 "--strategies", "s2_1_3", "s5_1_6"]}.items():
         out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
         assert main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
                      "--n", "2", "--max-new-tokens", "20", "--seed", "4", "--stats", str(stats), *extra]) == 0
@@ -177,7 +178,7 @@ def prompts_as_texts(tmp_path):
     (["--spec", "adaptive", "--drafter", "suffix", "--bs-threshold", "-1"], "--bs-threshold must be >= 0"),
     (["--spec", "on", "--drafter", "suffix", "--compile"], "--compile compiles an EAGLE drafter's draft chains"),
     # a flag the mode would not read is refused, not dropped
-    (["--drafter", "suffix", "--strategy", "s8_2_9"], "--drafter applies to --spec on or adaptive; --spec off does not"),
+    (["--drafter", "suffix", "--strategy", "s8_2_9"], "--drafter applies to --spec on or adaptive; --spec off"),
     (["--spec", "on", "--drafter", "suffix", "--bs-threshold", "2"], "--bs-threshold applies to --spec adaptive;"),
     (["--spec", "on", "--drafter", "suffix", "--tuner", "beg"], "--tuner applies to --spec adaptive;"),
     (["--spec", "adaptive", "--drafter", "suffix", "--strategy", "s4_1_5"], "--strategy is the one arm of --spec on"),

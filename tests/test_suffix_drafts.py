@@ -201,7 +201,8 @@ def test_suffix_strategies_parse_and_name_themselves(text, fields):
 
 
 @pytest.mark.parametrize("text,message", [("s4_1_9", "write s4_1_5"), ("4_1_5+s", "not DEPTH_TOPK_VERIFY"),
-                                          ("4_1_5+s0x", "not DEPTH_TOPK_VERIFY"), ("s4_2_8+s3", "s4_2_8 is the suffix drafter's arm already$"),
+                                          ("4_1_5+s0x", "not DEPTH_TOPK_VERIFY"),
+                                          ("s4_2_8+s3", "s4_2_8 is the suffix drafter's arm already$"),
                                           ("4_1_5+s99", "adds 1 to 64"), ("x4_1_5", "not DEPTH_TOPK_VERIFY"),
                                           ("4_1_5@0.3+s0", "write 4_1_5@0.3 for the EAGLE tree alone"),
                                           ("s4_1_5+s0", "s4_1_5 is the suffix drafter's arm already$")])
