@@ -180,7 +180,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     if history is not None and resume is not None:
         if cfg.spec.history_on_resume == "fresh":
             log("spec.history_on_resume=fresh: the suffix drafts start without the checkpoint's history")
-        elif (checkpoint / HISTORY_FILE).exists():  # whatever is there: a directory is no history either
+        elif (checkpoint / HISTORY_FILE).exists():  # a directory there is refused by load, as a corrupt file
             history.load(checkpoint / HISTORY_FILE, workers.rank, workers.world)
         else:
             log(f"{checkpoint.name} holds no draft history: the suffix drafts start without one")
