@@ -154,8 +154,8 @@ def cmd_generate(args) -> None:
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.backend import EmbeddedBackend
     from tailtamer.rollout.speculator import check_engine_drafter, make_speculator
-    from tailtamer.rollout.vllm_backend import (VLLM_STRATEGIES, VLLM_STRATEGY, VLLMBackend, VLLMConfig, bias_free,
-                                                check_params, check_strategies, require_vllm)
+    from tailtamer.rollout.vllm_backend import (VLLMBackend, VLLMConfig, bias_free, check_params, check_strategies,
+                                                require_vllm, vllm_arms)
 
     try:
         check_spec_flags(args)
@@ -164,10 +164,10 @@ def cmd_generate(args) -> None:
             require_vllm("--backend vllm")
             if args.dtype == "float64":
                 raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
-        chains = vllm and args.drafter != "suffix"  # vLLM drafts no trees (the suffix drafter: check_strategies)
-        arms = args.strategies or (VLLM_STRATEGIES if chains else None)
-        spec = SpecConfig(mode=args.spec, strategy=args.strategy or (VLLM_STRATEGY if chains else None),
-                          drafter=args.drafter, bs_threshold=args.bs_threshold, tuner=args.tuner or "beg",
+        unset = vllm_arms(args.drafter) if vllm else {}
+        arms = args.strategies or unset.get("strategies")
+        spec = SpecConfig(mode=args.spec, strategy=args.strategy or unset.get("strategy"), drafter=args.drafter,
+                          bs_threshold=args.bs_threshold, tuner=args.tuner or "beg",
                           compile=args.compile and not vllm, strategies=tuple(arms) if arms else None)
         if vllm:
             check_strategies(spec)

@@ -26,7 +26,7 @@ from tailtamer.rl.sharding import SHARDINGS
 from tailtamer.rollout.backend import BACKENDS
 from tailtamer.rollout.engine import EngineConfig
 from tailtamer.rollout.speculator import FORMER_DEFAULT_THRESHOLDS, SpecConfig, check_engine_drafter
-from tailtamer.rollout.vllm_backend import VLLM_STRATEGIES, VLLM_STRATEGY, VLLMConfig, check_strategies
+from tailtamer.rollout.vllm_backend import VLLMConfig, check_strategies, vllm_arms
 
 
 class _YAML12Loader(yaml.SafeLoader):
@@ -398,11 +398,9 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
     for item in overrides:
         apply_override(data, item)
     if isinstance(data.get("rollout"), dict) and data["rollout"].get("backend") == "vllm" and \
-            isinstance(data.setdefault("spec", {}), dict) and data["spec"].get("drafter") != "suffix":
-        # our engine's default arms hold trees, which vLLM cannot draft: unset, its defaults are
-        # chains (the suffix drafter's are its own, and vLLM's check says where it runs)
-        data["spec"].setdefault("strategies", list(VLLM_STRATEGIES))
-        data["spec"].setdefault("strategy", VLLM_STRATEGY)
+            isinstance(data.setdefault("spec", {}), dict):
+        for name, value in vllm_arms(data["spec"].get("drafter")).items():
+            data["spec"].setdefault(name, list(value) if isinstance(value, tuple) else value)
     try:
         return from_dict(TrainConfig, absolute_paths(data))
     except ConfigError as e:

@@ -128,6 +128,15 @@ def test_bad_settings_are_one_line(model_dir, tmp_path, monkeypatch, kwargs, con
     assert isinstance(e.value, (ConfigError, TailtamerError))
 
 
+def test_suffix_drafts_on_vllm_are_refused_for_what_they_are(monkeypatch):
+    """Not for vLLM's default arms (EAGLE chains), which the user never wrote, as before."""
+    import tailtamer.integrations.trl as trl
+
+    monkeypatch.setattr(trl, "require_vllm", lambda *_: None)  # as where vLLM is installed
+    with pytest.raises(ConfigError, match="^spec.drafter=suffix runs on rollout.backend=tailtamer"):
+        TLTRollout(backend="vllm", spec="on", drafter="suffix")
+
+
 def test_a_prompt_longer_than_the_context_is_one_line(model_dir, tmp_path, monkeypatch):
     from tailtamer.errors import DataError
 

@@ -54,8 +54,8 @@ from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams, target_probs
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.speculator import SpecConfig, make_speculator
-from tailtamer.rollout.vllm_backend import (VLLM_STRATEGIES, VLLM_STRATEGY, VLLMBackend, VLLMConfig, bias_free,
-                                            check_strategies, require_vllm)
+from tailtamer.rollout.vllm_backend import (VLLMBackend, VLLMConfig, bias_free, check_strategies, require_vllm,
+                                            vllm_arms)
 
 PROBE = (1, 2, 3, 4)  # token ids of the probe input that proves the engine's weights current
 PROBE_TOL = 1e-4  # the largest difference of the two models' probe logits, relative to their scale
@@ -85,8 +85,8 @@ class TLTRollout:
         vllm = backend == "vllm"
         if vllm:  # where it is installed; its arms are chains (unset: vLLM's defaults)
             require_vllm("TLTRollout backend='vllm'")
-            strategy = strategy or VLLM_STRATEGY
-            strategies = strategies or VLLM_STRATEGIES
+            unset = vllm_arms(drafter)
+            strategy, strategies = strategy or unset.get("strategy"), strategies or unset.get("strategies")
         self.spec = SpecConfig(mode=spec, drafter=drafter if spec != "off" else None, strategy=strategy,
                                strategies=tuple(strategies) if strategies is not None else None,
                                bs_threshold=bs_threshold)

@@ -56,6 +56,15 @@ VLLM_EAGLE_ARCHITECTURE = "EagleLlamaForCausalLM"
 # The bandit's arms on vLLM when spec.strategies is left at our engine's (trees among them).
 VLLM_STRATEGIES = ("7_1_8", "4_1_5", "2_1_3")
 VLLM_STRATEGY = "4_1_5"
+
+
+def vllm_arms(drafter: str | None) -> dict:
+    """spec.strategy and spec.strategies where the user left them unset, on vLLM: our engine's
+    defaults hold trees, which vLLM cannot draft, so its own are chains; the suffix drafter's
+    are its own (and `check_strategies` says where it runs)."""
+    return {} if drafter == "suffix" else {"strategy": VLLM_STRATEGY, "strategies": VLLM_STRATEGIES}
+
+
 # spec.bs_threshold when unset: TLT switches SD on below 32 running requests.
 VLLM_BS_THRESHOLD = 32
 # Relative differences a published layer may show in the engine's dtype (float32 kernels
