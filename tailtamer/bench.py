@@ -6,10 +6,12 @@ repetition and each figure is a median; absolute times are printed for context o
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -210,9 +212,14 @@ def seconds_by_running(stats, edges: tuple[int, ...]) -> dict[str, float]:
     return out
 
 
+# bench rollout's arms, in the order they run: plain decoding (every ratio's baseline), SD at
+# every step with spec.strategy's default, and the adaptive engines
+ROLLOUT_ARMS = ("plain", "sd_fixed_4_2_8", "adaptive", "adaptive_compiled", "adaptive_fused", "adaptive_fresh_bandit")
+
+
 def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, repeats: int = 1,
                   max_new_tokens: int = 512, plot: str | None = "runs/bench-rollout.png",
-                  drafter_dir: str | None = None) -> dict:
+                  drafter_dir: str | None = None, arms: tuple[str, ...] = ROLLOUT_ARMS) -> dict:
     """A long-tail GRPO-style rollout (prompts × n samples at T=1, all admitted at once) run as
     (a) plain decoding, (b) SD on every step with a fixed strategy, (c) adaptive, as the default
     config decodes on this device: plain while more than spec.bs_threshold requests run, then SD
@@ -222,7 +229,8 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     from the siblings as they are written). A training run keeps its engine, and so its bandit,
     from step to step: (c), (d) and (f) keep theirs across the runs, after one untimed rollout
     of other prompts. Same seeds, so all emit the same tokens; runs are
-    interleaved, in an order that rotates from run to run, and timed in one process."""
+    interleaved, in an order that rotates from run to run, and timed in one process. `arms`:
+    those of ROLLOUT_ARMS to run (plain always runs: it is every ratio's baseline)."""
     from tailtamer.drafter.train import ensure_builtin_drafter
     from tailtamer.model.drafter import load_drafter
     from tailtamer.rollout.eagle import EagleProposer
@@ -248,16 +256,20 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
 
     fused = SpecConfig(mode="adaptive", drafter="x", strategies=DEFAULT_MAB_STRATEGIES + FUSED_ARMS)
 
-    kept = {  # engines kept across the runs
-        "plain": Engine(model, tokenizer, config),
-        "sd_fixed_" + fixed.fixed: Engine(model, tokenizer, config, speculator=Speculator(
+    makers = {  # each arm's engine; the last one's is new every run, the others' kept across the runs
+        "plain": lambda: Engine(model, tokenizer, config),
+        "sd_fixed_" + fixed.fixed: lambda: Engine(model, tokenizer, config, speculator=Speculator(
             EagleProposer(drafter), fixed.make_tuner())),
-        "adaptive": adaptive_engine(),
-        "adaptive_compiled": adaptive_engine(compiled=True),
-        "adaptive_fused": Engine(model, tokenizer, config, speculator=Speculator(
+        "adaptive": adaptive_engine,
+        "adaptive_compiled": lambda: adaptive_engine(compiled=True),
+        "adaptive_fused": lambda: Engine(model, tokenizer, config, speculator=Speculator(
             FusedProposer(EagleProposer(drafter), SuffixProposer()), fused.make_tuner(), threshold)),
+        "adaptive_fresh_bandit": adaptive_engine,
     }
-    fresh = {"adaptive_fresh_bandit": adaptive_engine}  # a new engine every run
+    assert tuple(makers) == ROLLOUT_ARMS, tuple(makers)
+    chosen = [name for name in ROLLOUT_ARMS if name == "plain" or name in arms]
+    kept = {name: makers[name]() for name in chosen if name != "adaptive_fresh_bandit"}
+    fresh = {name: makers[name] for name in chosen if name == "adaptive_fresh_bandit"}
     others = [tokenizer.encode(p["prompt"]) for p in ArithmeticTask().dataset(prompts, seed=31338)]
     # the warm-up, where compiling happens: what a training run's first step leaves behind
     warm_up_s = {name: engine.generate(others, SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens,
@@ -269,7 +281,8 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:  # each arm in every turn
             engine = kept[name] if name in kept else fresh[name]()
-            completions, stats = engine.generate(ids, params)
+            with _collector_paused():
+                completions, stats = engine.generate(ids, params)
             seconds[name].append(stats.seconds)
             # one split for every arm (plain has no buckets of its own), so the parts compare
             parts[name].append(seconds_by_running(stats, DEFAULT_BUCKET_THRESHOLDS))
@@ -307,13 +320,30 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             # a kept engine's bandit: its pulls summed over the warm-up and every run
             **({"tuner_all_runs" if name in kept else "tuner": tuner} if tuner else {}),
         }
-    if plot:
+    if plot and "adaptive" in results:
         from tailtamer.plots import plot_rollout_timeline
 
         when = "at every batch size (the bandit's choice)" if threshold is None else f"at <= {threshold} running"
         plot_rollout_timeline(results["adaptive"][1].timeline, plot, f"adaptive rollout: {prompts}x{n} samples, SD {when}")
         report["plot"] = plot
     return report
+
+
+@contextmanager
+def _collector_paused():
+    """Python's garbage collector collected, then paused for a timed run (as `timeit` pauses
+    it): in one process holding every arm's engine and the compiled arm's graphs, a full
+    collection walked ~0.5 million objects for ~230 ms, and 5 of 23 rollouts of ~1 s paid one,
+    whichever arm they were, which moved the ratios more than the arms differ. A training
+    worker holds one engine; there the collector costs 0.2-0.3 ms a step."""
+    gc.collect()
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _quiet(*_args) -> None:

@@ -21,7 +21,7 @@ from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig
 # Which benchmarks each `bench` flag is for
 BENCH_FLAGS = {"--model": ("decode", "sd", "rollout", "profile"), "--preset": ("decode",),
                "--drafter": ("sd", "rollout", "profile"), "--steps": ("train", "profile"), "--new-tokens": ("decode",),
-               "--set": ("train",), "--group": ("sd",)}
+               "--set": ("train",), "--group": ("sd",), "--arms": ("rollout",)}
 # `generate`'s flags for the SpecConfig fields they set
 SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy", "strategies": "--strategies",
               "bs_threshold": "--bs-threshold", "tuner": "--tuner", "compile": "--compile"}
@@ -319,7 +319,7 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from tailtamer.bench import bench_decode, bench_random_model, bench_rollout, bench_sd
+    from tailtamer.bench import ROLLOUT_ARMS, bench_decode, bench_random_model, bench_rollout, bench_sd
     from tailtamer.bench_train import bench_train
 
     if args.preset and args.model:
@@ -327,7 +327,7 @@ def cmd_bench(args) -> None:
     if args.what == "train" and (args.model or args.preset):
         raise TailtamerError("bench train runs the built-in default job; change it with --set key=value")
     given = {"--model": args.model, "--preset": args.preset, "--drafter": args.drafter, "--steps": args.steps,
-             "--new-tokens": args.new_tokens, "--set": args.set or None, "--group": args.group}
+             "--new-tokens": args.new_tokens, "--set": args.set or None, "--group": args.group, "--arms": args.arms}
     for flag, value in given.items():  # a flag a benchmark would ignore is a mistake to say, not to skip
         if value is not None and args.what not in BENCH_FLAGS[flag]:
             raise TailtamerError(f"{flag} is for bench {', '.join(BENCH_FLAGS[flag])}, not bench {args.what}")
@@ -335,6 +335,9 @@ def cmd_bench(args) -> None:
     args.new_tokens = 64 if args.new_tokens is None else at_least_one(args.new_tokens, "--new-tokens")
     at_least_one(args.repeats, "--repeats")
     args.group = 8 if args.group is None else at_least_one(args.group, "--group")
+    unknown = [a for a in args.arms or () if a not in ROLLOUT_ARMS]
+    if unknown:
+        raise TailtamerError(f"--arms {', '.join(unknown)}: bench rollout's arms are {', '.join(ROLLOUT_ARMS)}")
     drafts = args.what in BENCH_FLAGS["--drafter"]
     if drafts and args.model and not args.drafter:  # the built-in drafter is trained for the built-in model
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
@@ -351,7 +354,8 @@ def cmd_bench(args) -> None:
     elif args.what == "train":
         report = bench_train(args.steps, args.repeats, overrides=tuple(args.set))
     elif args.what == "rollout":
-        report = bench_rollout(args.model, repeats=args.repeats, drafter_dir=args.drafter)
+        report = bench_rollout(args.model, repeats=args.repeats, drafter_dir=args.drafter,
+                               arms=tuple(args.arms or ROLLOUT_ARMS))
     elif args.what == "sd":
         report = bench_sd(args.model, repeats=args.repeats, drafter_dir=args.drafter,
                           group=args.group)
@@ -483,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, help="decode: tokens per sequence (default 64)")
     b.add_argument("--group", type=int, help="sd: siblings per problem of the grouped workload, as GRPO samples "
                                             "(default 8; 1: the single workload only)")
+    b.add_argument("--arms", nargs="+", metavar="ARM", help="rollout: the arms to run, plain always among them "
+                                                           "(default: all; names as in the report)")
     b.add_argument("--out", help="also write the report here")
     b.add_argument("--steps", type=int, help="train, profile: RL steps per run (default 10; profile: >= 2)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="train: a config override (repeatable)")

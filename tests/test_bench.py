@@ -1,11 +1,14 @@
 """The benchmarks' own plumbing, on a tiny random model (their speed is never asserted)."""
 
+import gc
+
 import pytest
 import torch
 
 from tailtamer.bench import bench_rollout, seconds_by_running
 from tailtamer.model.drafter import init_drafter, save_drafter
 from tailtamer.model.io import load_pretrained
+from tailtamer.rollout.engine import Engine
 from tailtamer.rollout.speculator import DEFAULT_BUCKET_THRESHOLDS, FUSED_ARMS
 from tailtamer.rollout.stats import RolloutStats
 
@@ -40,6 +43,24 @@ def test_bench_rollout_times_every_arm_in_every_run_on_plain_decodings_tokens(mo
     # drafts by source: EAGLE's alone in the EAGLE arms, none in plain decoding's
     assert arms["plain"]["by_source"] == {} and set(arms["sd_fixed_4_2_8"]["by_source"]) == {"eagle"}
     assert arms["sd_fixed_4_2_8"]["by_source"]["eagle"]["drafted"] > 0
+
+
+def test_bench_rollout_runs_only_the_arms_asked_for_and_plain(model_dir, tmp_path, monkeypatch):
+    """`--arms`: the arms named, in the report's order, beside plain decoding (every ratio's
+    baseline), each timed in every run and emitting plain decoding's tokens; the garbage
+    collector is paused in each timed run (the warm-ups run as they would) and back after."""
+    model, _ = load_pretrained(model_dir)
+    save_drafter(init_drafter(model, std=0.2), tmp_path / "drafter")
+    collecting = []
+    generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda *a, **k: collecting.append(gc.isenabled()) or generate(*a, **k))
+    report = bench_rollout(str(model_dir), prompts=4, n=4, repeats=2, max_new_tokens=12, plot=None,
+                           drafter_dir=str(tmp_path / "drafter"), arms=("adaptive_fresh_bandit", "adaptive"))
+    arms = report["arms"]
+    assert list(arms) == ["plain", "adaptive", "adaptive_fresh_bandit"]
+    assert all(a["identical_to_plain"] == 1.0 and len(a["speedup_each_run"]) == 2 for a in arms.values())
+    assert "tuner_all_runs" in arms["adaptive"] and "tuner" in arms["adaptive_fresh_bandit"]
+    assert collecting == [True, True] + [False] * 6 and gc.isenabled()  # two kept arms' warm-ups, 2 x 3 runs
 
 
 def test_a_rollouts_seconds_split_by_running_requests_in_the_bandits_buckets():
