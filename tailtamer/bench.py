@@ -335,7 +335,8 @@ def _collector_paused():
     it): in one process holding every arm's engine and the compiled arm's graphs, a full
     collection walked ~0.5 million objects for ~230 ms, and 5 of 23 rollouts of ~1 s paid one,
     whichever arm they were, which moved the ratios more than the arms differ. A training
-    worker holds one engine; there the collector costs 0.2-0.3 ms a step."""
+    worker holds one engine: over the default job's 40 rollouts its collections inside them
+    took 0.3-2.2 ms in all."""
     gc.collect()
     paused = gc.isenabled()
     gc.disable()
