@@ -219,6 +219,32 @@ def test_fixed_tuner_and_mode_on_use_the_strategy():
     assert isinstance(SpecConfig(mode="adaptive", drafter="suffix", tuner="fixed").make_tuner(), FixedTuner)
 
 
+@pytest.mark.parametrize("kwargs,said", [
+    ({"mode": "adaptive"}, []),
+    ({"mode": "adaptive", "strategies": ("4_1_5", "2_1_3")}, []),
+    ({"mode": "adaptive", "strategy": "7_1_8"},
+     ["spec.strategy=7_1_8 is not read: spec.mode=adaptive with spec.tuner=beg drafts with spec.strategies, "
+      "the bandit's arms"]),
+    ({"mode": "adaptive", "tuner": "fixed", "strategy": "7_1_8", "strategies": ("4_1_5",)},
+     ["spec.strategies=4_1_5 is not read: spec.mode=adaptive with spec.tuner=fixed drafts with spec.strategy"]),
+    ({"mode": "on", "strategies": ("4_1_5", "7_1_8")},
+     ["spec.strategies=4_1_5,7_1_8 is not read: spec.mode=on drafts with spec.strategy"]),
+    ({"mode": "off", "strategy": "4_2_8"}, ["spec.strategy=4_2_8 is not read: spec.mode=off decodes without speculation"]),
+])
+def test_a_strategy_setting_the_mode_does_not_read_is_said_at_start_up(kwargs, said, toy):
+    """Said, not refused: a run directory written when spec.strategy defaulted to 4_2_8 resumes."""
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.run_state import prepare
+
+    assert SpecConfig(drafter="x", **kwargs).unread() == said
+    if kwargs == {"mode": "adaptive", "strategy": "7_1_8"}:
+        logs = []
+        prepare(load_train_config(None, toy + ["spec.mode=adaptive", "spec.drafter=suffix", "spec.strategy=s4_1_5"]),
+                log=logs.append)
+        assert "spec.strategy=s4_1_5 is not read: spec.mode=adaptive with spec.tuner=beg drafts with " \
+               "spec.strategies, the bandit's arms" in logs, logs
+
+
 # --- the adaptive engine ---------------------------------------------------------------------
 
 def test_adaptive_engine_speculates_only_in_the_tail_and_is_lossless():

@@ -96,6 +96,8 @@ def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
     if vllm:
         check_model(load_config(model), resolve_device(cfg.run.device, "run.device").type, f"run.model {model}")
     spec = cfg.spec
+    for line in spec.unread():
+        log(line)
     if spec.drafter == "builtin" and spec.mode != "off":
         from tailtamer.drafter.train import DrafterTrainConfig, ensure_builtin_drafter
 
