@@ -229,7 +229,8 @@ def test_fixed_tuner_and_mode_on_use_the_strategy():
      ["spec.strategies=4_1_5 is not read: spec.mode=adaptive with spec.tuner=fixed drafts with spec.strategy"]),
     ({"mode": "on", "strategies": ("4_1_5", "7_1_8")},
      ["spec.strategies=4_1_5,7_1_8 is not read: spec.mode=on drafts with spec.strategy"]),
-    ({"mode": "off", "strategy": "4_2_8"}, ["spec.strategy=4_2_8 is not read: spec.mode=off decodes without speculation"]),
+    ({"mode": "off", "strategy": "4_2_8"},
+     ["spec.strategy=4_2_8 is not read: spec.mode=off decodes without speculation"]),
 ])
 def test_a_strategy_setting_the_mode_does_not_read_is_said_at_start_up(kwargs, said, toy):
     """Said, not refused: a run directory written when spec.strategy defaulted to 4_2_8 resumes."""

@@ -150,9 +150,9 @@ class SpecConfig:
         said at start-up, not refused, so that a run directory's config.yaml (written with
         spec.strategy=4_2_8 before it defaulted to unset) still resumes; `generate` refuses the
         flags instead."""
+        drafts = "spec.strategy" if self.one_strategy else "spec.strategies, the bandit's arms"
         reader = {"off": "spec.mode=off decodes without speculation", "on": "spec.mode=on drafts with spec.strategy",
-                  "adaptive": f"spec.mode=adaptive with spec.tuner={self.tuner} drafts with "
-                              + ("spec.strategy" if self.one_strategy else "spec.strategies, the bandit's arms")}[self.mode]
+                  "adaptive": f"spec.mode=adaptive with spec.tuner={self.tuner} drafts with {drafts}"}[self.mode]
         given = {"spec.strategy": self.strategy,
                  "spec.strategies": ",".join(self.strategies) if self.strategies is not None else None}
         read = self.in_use_field if self.mode != "off" else None
