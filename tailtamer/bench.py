@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from tailtamer.errors import ConfigError
 from tailtamer.model.io import load_model, load_pretrained
 from tailtamer.model.transformer import KVCache
 from tailtamer.rollout.engine import Engine, EngineConfig
@@ -212,9 +213,19 @@ def seconds_by_running(stats, edges: tuple[int, ...]) -> dict[str, float]:
     return out
 
 
-# bench rollout's arms, in the order they run: plain decoding (every ratio's baseline), SD at
+# bench rollout's arms, in the report's order: plain decoding (every ratio's baseline), SD at
 # every step with spec.strategy's default, and the adaptive engines
 ROLLOUT_ARMS = ("plain", "sd_fixed_4_2_8", "adaptive", "adaptive_compiled", "adaptive_fused", "adaptive_fresh_bandit")
+
+
+def check_arms(arms, field: str = "arms") -> None:
+    """Each of `arms` one of ROLLOUT_ARMS, or one line naming `field` and the unknown ones."""
+    known = ", ".join(ROLLOUT_ARMS)
+    if isinstance(arms, str):  # a name where a list of them belongs: each letter would be "unknown"
+        raise ConfigError(f"{field} {arms!r}: give a list of names; bench rollout's arms are {known}")
+    unknown = list(dict.fromkeys(a for a in arms if a not in ROLLOUT_ARMS))
+    if unknown:
+        raise ConfigError(f"{field} {', '.join(unknown)}: bench rollout's arms are {known}")
 
 
 def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, repeats: int = 1,
@@ -224,11 +235,11 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     (a) plain decoding, (b) SD on every step with a fixed strategy, (c) adaptive, as the default
     config decodes on this device: plain while more than spec.bs_threshold requests run, then SD
     with the BEG-MAB tuner, (d) the same with the draft chains compiled (`spec.compile`; compile
-    time is not in its seconds), (e) adaptive with a fresh bandit every run, (f) adaptive with
-    the suffix index's arms beside EAGLE's (`FUSED_ARMS`: fused trees, one per bucket, drafting
-    from the siblings as they are written). A training run keeps its engine, and so its bandit,
-    from step to step: (c), (d) and (f) keep theirs across the runs, after one untimed rollout
-    of other prompts. Same seeds, so all emit the same tokens; runs are
+    time is not in its seconds), (e) adaptive with the suffix index's arms beside EAGLE's
+    (`FUSED_ARMS`: fused trees, one per bucket, drafting from the siblings as they are
+    written), (f) adaptive with a fresh bandit every run. A training run keeps its engine, and
+    so its bandit, from step to step: (c), (d) and (e) keep theirs across the runs, after one
+    untimed rollout of other prompts. Same seeds, so all emit the same tokens; runs are
     interleaved, in an order that rotates from run to run, and timed in one process. `arms`:
     those of ROLLOUT_ARMS to run (plain always runs: it is every ratio's baseline)."""
     from tailtamer.drafter.train import ensure_builtin_drafter
@@ -240,9 +251,12 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
     from tailtamer.rollout.suffix import SuffixProposer
     from tailtamer.tasks.arithmetic import ArithmeticTask, reward
 
+    check_arms(arms)
+    chosen = [name for name in ROLLOUT_ARMS if name == "plain" or name in arms]
     path = _default_model_dir(model_dir)
     model, tokenizer = load_pretrained(path)
-    drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path, log=progress), model)
+    drafts = chosen != ["plain"]
+    drafter = load_drafter(drafter_dir or ensure_builtin_drafter(path, log=progress), model) if drafts else None
     problems = ArithmeticTask().dataset(prompts, seed=31337)
     ids = [tokenizer.encode(p["prompt"]) for p in problems]
     params = SamplingParams(temperature=1.0, n=n, max_new_tokens=max_new_tokens, seed=2)
@@ -267,7 +281,6 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
         "adaptive_fresh_bandit": adaptive_engine,
     }
     assert tuple(makers) == ROLLOUT_ARMS, tuple(makers)
-    chosen = [name for name in ROLLOUT_ARMS if name == "plain" or name in arms]
     kept = {name: makers[name]() for name in chosen if name != "adaptive_fresh_bandit"}
     fresh = {name: makers[name] for name in chosen if name == "adaptive_fresh_bandit"}
     others = [tokenizer.encode(p["prompt"]) for p in ArithmeticTask().dataset(prompts, seed=31338)]
@@ -320,11 +333,12 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
             # a kept engine's bandit: its pulls summed over the warm-up and every run
             **({"tuner_all_runs" if name in kept else "tuner": tuner} if tuner else {}),
         }
-    if plot and "adaptive" in results:
+    shown = next((name for name in chosen if name.startswith("adaptive")), None)
+    if plot and shown:  # the first adaptive arm's timeline: where the switch and the bandit put SD
         from tailtamer.plots import plot_rollout_timeline
 
         when = "at every batch size (the bandit's choice)" if threshold is None else f"at <= {threshold} running"
-        plot_rollout_timeline(results["adaptive"][1].timeline, plot, f"adaptive rollout: {prompts}x{n} samples, SD {when}")
+        plot_rollout_timeline(results[shown][1].timeline, plot, f"{shown} rollout: {prompts}x{n} samples, SD {when}")
         report["plot"] = plot
     return report
 
@@ -333,17 +347,17 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
 def _collector_paused():
     """Python's garbage collector collected, then paused for a timed run (as `timeit` pauses
     it): in one process holding every arm's engine and the compiled arm's graphs, a full
-    collection walked ~0.5 million objects for ~230 ms, and 5 of 23 rollouts of ~1 s paid one,
+    collection walked ~0.5 million objects for ~230 ms, and 5 of 18 timed rollouts of ~1 s paid one,
     whichever arm they were, which moved the ratios more than the arms differ. A training
     worker holds one engine: over the default job's 40 rollouts its collections inside them
     took 0.3-2.2 ms in all."""
     gc.collect()
-    paused = gc.isenabled()
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if paused:
+        if was_enabled:
             gc.enable()
 
 

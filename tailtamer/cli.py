@@ -319,7 +319,7 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from tailtamer.bench import ROLLOUT_ARMS, bench_decode, bench_random_model, bench_rollout, bench_sd
+    from tailtamer.bench import ROLLOUT_ARMS, bench_decode, bench_random_model, bench_rollout, bench_sd, check_arms
     from tailtamer.bench_train import bench_train
 
     if args.preset and args.model:
@@ -335,9 +335,7 @@ def cmd_bench(args) -> None:
     args.new_tokens = 64 if args.new_tokens is None else at_least_one(args.new_tokens, "--new-tokens")
     at_least_one(args.repeats, "--repeats")
     args.group = 8 if args.group is None else at_least_one(args.group, "--group")
-    unknown = [a for a in args.arms or () if a not in ROLLOUT_ARMS]
-    if unknown:
-        raise TailtamerError(f"--arms {', '.join(unknown)}: bench rollout's arms are {', '.join(ROLLOUT_ARMS)}")
+    check_arms(args.arms or (), "--arms")
     drafts = args.what in BENCH_FLAGS["--drafter"]
     if drafts and args.model and not args.drafter:  # the built-in drafter is trained for the built-in model
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
@@ -487,8 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, help="decode: tokens per sequence (default 64)")
     b.add_argument("--group", type=int, help="sd: siblings per problem of the grouped workload, as GRPO samples "
                                             "(default 8; 1: the single workload only)")
-    b.add_argument("--arms", nargs="+", metavar="ARM", help="rollout: the arms to run, plain always among them "
-                                                           "(default: all; names as in the report)")
+    b.add_argument("--arms", nargs="+", metavar="ARM", help="rollout: the arms to run, after the benchmark's name; "
+                                                           "plain always runs (default: all of plain, sd_fixed_4_2_8, "
+                                                           "adaptive, adaptive_compiled, adaptive_fused, "
+                                                           "adaptive_fresh_bandit)")
     b.add_argument("--out", help="also write the report here")
     b.add_argument("--steps", type=int, help="train, profile: RL steps per run (default 10; profile: >= 2)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="train: a config override (repeatable)")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tailtamer.bench import bench_rollout, seconds_by_running
+from tailtamer.errors import ConfigError
 from tailtamer.model.drafter import init_drafter, save_drafter
 from tailtamer.model.io import load_pretrained
 from tailtamer.rollout.engine import Engine
@@ -61,6 +62,15 @@ def test_bench_rollout_runs_only_the_arms_asked_for_and_plain(model_dir, tmp_pat
     assert all(a["identical_to_plain"] == 1.0 and len(a["speedup_each_run"]) == 2 for a in arms.values())
     assert "tuner_all_runs" in arms["adaptive"] and "tuner" in arms["adaptive_fresh_bandit"]
     assert collecting == [True, True] + [False] * 6 and gc.isenabled()  # two kept arms' warm-ups, 2 x 3 runs
+    # the timeline drawn is the first adaptive arm's; plain decoding alone needs no drafter
+    report = bench_rollout(str(model_dir), prompts=2, n=2, repeats=1, max_new_tokens=4, plot=str(tmp_path / "t.png"),
+                           arms=("adaptive_fresh_bandit",), drafter_dir=str(tmp_path / "drafter"))
+    assert report["plot"] == str(tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 0
+    report = bench_rollout(str(model_dir), prompts=2, n=2, repeats=1, max_new_tokens=4, plot=str(tmp_path / "p.png"),
+                           arms=("plain",), drafter_dir=str(tmp_path / "nowhere"))
+    assert list(report["arms"]) == ["plain"] and "plot" not in report and not (tmp_path / "p.png").exists()
+    with pytest.raises(ConfigError, match="arms 'adaptive': give a list of names; bench rollout's arms are plain, "):
+        bench_rollout(str(model_dir), arms="adaptive")
 
 
 def test_a_rollouts_seconds_split_by_running_requests_in_the_bandits_buckets():

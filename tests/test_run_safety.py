@@ -455,7 +455,7 @@ def test_more_workers_than_prompts_is_a_startup_error(toy, monkeypatch):
         setup(cfg, log=quiet, workers=Workers(rank=0, world=5))
 
 
-def test_an_automatic_worker_count_is_capped_by_the_training_prompts(toy, tmp_path, monkeypatch):
+def test_an_automatic_worker_count_is_capped_by_the_training_prompts(toy, tmp_path, monkeypatch, capsys):
     """run.workers=0 on a machine with more cores than the data has prompts starts one worker
     per prompt (here one prompt: the run goes on in this process) instead of refusing."""
     from tailtamer.rl import trainer
@@ -466,11 +466,15 @@ def test_an_automatic_worker_count_is_capped_by_the_training_prompts(toy, tmp_pa
     monkeypatch.setattr(trainer, "spawn", lambda *a, **k: pytest.fail("spawned workers for one prompt"))
     printed = []
     monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
-    summary = trainer.launch(load_train_config(None, toy + ["run.name=one", f"data.train={one}", "run.steps=1"]),
-                             console=quiet)
+    summary = trainer.launch(load_train_config(None, toy + ["run.name=one", f"data.train={one}", "run.steps=1",
+                                                            "spec.strategy=2_1_3"]), console=quiet)
     assert summary["workers"] == 1 and summary["steps"] == 1
     assert any(line.startswith("run.workers=0: 1 worker rather than one per core, as a step has only 1 prompt to "
                                f"share (rollout.prompts_per_step=4, data.train={one})") for line in printed), printed
+    # said once: by the launcher, not again by the worker it became (whose `log` is the print
+    # bound at its definition, which writes to the captured stdout)
+    said = [line for line in printed + capsys.readouterr().out.splitlines() if "is not read" in line]
+    assert said == ["spec.strategy=2_1_3 is not read: spec.mode=off decodes without speculation"], said
 
 
 def test_files_of_runs_written_before_the_renames_still_resume(tmp_path):

@@ -222,28 +222,35 @@ def test_fixed_tuner_and_mode_on_use_the_strategy():
 @pytest.mark.parametrize("kwargs,said", [
     ({"mode": "adaptive"}, []),
     ({"mode": "adaptive", "strategies": ("4_1_5", "2_1_3")}, []),
+    ({"mode": "on", "strategy": "7_1_8"}, []),
     ({"mode": "adaptive", "strategy": "7_1_8"},
      ["spec.strategy=7_1_8 is not read: spec.mode=adaptive with spec.tuner=beg drafts with spec.strategies, "
       "the bandit's arms"]),
     ({"mode": "adaptive", "tuner": "fixed", "strategy": "7_1_8", "strategies": ("4_1_5",)},
-     ["spec.strategies=4_1_5 is not read: spec.mode=adaptive with spec.tuner=fixed drafts with spec.strategy"]),
+     ["spec.strategies=[4_1_5] is not read: spec.mode=adaptive with spec.tuner=fixed drafts with spec.strategy"]),
     ({"mode": "on", "strategies": ("4_1_5", "7_1_8")},
-     ["spec.strategies=4_1_5,7_1_8 is not read: spec.mode=on drafts with spec.strategy"]),
-    ({"mode": "off", "strategy": "4_2_8"},
-     ["spec.strategy=4_2_8 is not read: spec.mode=off decodes without speculation"]),
+     ["spec.strategies=[4_1_5,7_1_8] is not read: spec.mode=on drafts with spec.strategy"]),
+    ({"mode": "off", "strategy": "4_2_8", "strategies": ("4_1_5",)},
+     ["spec.strategy=4_2_8 is not read: spec.mode=off decodes without speculation",
+      "spec.strategies=[4_1_5] is not read: spec.mode=off decodes without speculation"]),
 ])
-def test_a_strategy_setting_the_mode_does_not_read_is_said_at_start_up(kwargs, said, toy):
+def test_a_strategy_setting_the_mode_does_not_read_is_said(kwargs, said):
     """Said, not refused: a run directory written when spec.strategy defaulted to 4_2_8 resumes."""
-    from tailtamer.config import load_train_config
-    from tailtamer.rl.run_state import prepare
-
     assert SpecConfig(drafter="x", **kwargs).unread() == said
-    if kwargs == {"mode": "adaptive", "strategy": "7_1_8"}:
+
+
+def test_what_the_config_filled_in_itself_is_not_said(toy):
+    """On vLLM the config fills in both spec.strategy and spec.strategies (its chains) whatever
+    the mode: neither is the user's, so neither is said; one the user set is."""
+    from tailtamer.config import load_train_config
+    from tailtamer.rl.run_state import say_unread
+
+    for extra, said in (([], []), (["spec.strategy=2_1_3"], ["spec.strategy=2_1_3 is not read"])):
+        cfg = load_train_config(None, toy + ["rollout.backend=vllm", "spec.mode=adaptive", "spec.drafter=x", *extra])
+        assert cfg.spec.strategy is not None and cfg.spec.strategies is not None
         logs = []
-        prepare(load_train_config(None, toy + ["spec.mode=adaptive", "spec.drafter=suffix", "spec.strategy=s4_1_5"]),
-                log=logs.append)
-        assert "spec.strategy=s4_1_5 is not read: spec.mode=adaptive with spec.tuner=beg drafts with " \
-               "spec.strategies, the bandit's arms" in logs, logs
+        say_unread(cfg, logs.append)
+        assert [line.split(":")[0] for line in logs] == said, logs
 
 
 # --- the adaptive engine ---------------------------------------------------------------------

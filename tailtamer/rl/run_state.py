@@ -33,7 +33,7 @@ from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.speculative import Strategy
 from tailtamer.rollout.speculator import make_speculator
-from tailtamer.rollout.vllm_backend import check_model, require_vllm
+from tailtamer.rollout.vllm_backend import check_model, require_vllm, vllm_arms
 
 
 @dataclass
@@ -96,14 +96,19 @@ def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
     if vllm:
         check_model(load_config(model), resolve_device(cfg.run.device, "run.device").type, f"run.model {model}")
     spec = cfg.spec
-    for line in spec.unread():
-        log(line)
     if spec.drafter == "builtin" and spec.mode != "off":
         from tailtamer.drafter.train import DrafterTrainConfig, ensure_builtin_drafter
 
         drafter_dir = ensure_builtin_drafter(Path(model), DrafterTrainConfig(fc_bias=not vllm), log=log)
         spec = replace(spec, drafter=str(drafter_dir))
     return replace(cfg, run=replace(cfg.run, model=model), spec=spec)
+
+
+def say_unread(cfg: TrainConfig, log=print) -> None:
+    """The spec settings this run's mode does not read (`SpecConfig.unread`), once per run."""
+    filled = vllm_arms(cfg.spec.drafter) if cfg.rollout.backend == "vllm" else {}
+    for line in cfg.spec.unread(filled):
+        log(line)
 
 
 def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Workers | None = None) -> RunState:

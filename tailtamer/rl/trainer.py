@@ -44,7 +44,7 @@ from tailtamer.rl.batching import Samples, minibatch_of, rebalance, response_bat
 from tailtamer.rl.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
 from tailtamer.rl.rewards import merge_failures
 from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_resume, resume_changes, resume_note
-from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, setup, training_prompts
+from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, say_unread, setup, training_prompts
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics, worker_share
 from tailtamer.rollout.backend import RolloutBackendError
 from tailtamer.rollout.draft_history import FILE as HISTORY_FILE, save_histories
@@ -410,6 +410,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
     if w.is_main and not claimed:
         cfg, lock = claim_run_dir(cfg, resume)
     try:
+        if not claimed:  # else the launcher said it
+            say_unread(cfg, log)
         cfg = w.share(lambda: prepare(cfg, log))
         return _train(cfg, resume, log, console, w, pace)
     finally:
@@ -573,6 +575,7 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print, pace: No
     cfg, lock = claim_run_dir(cfg, resume)
     try:
         _check_steps_left(cfg, resume)
+        say_unread(cfg, print)
         cfg = prepare(cfg)
         if cfg.run.workers == 0:  # automatic: no more workers than a step has prompts to shard
             prompts = training_prompts(cfg)

@@ -145,19 +145,21 @@ class SpecConfig:
         """The field that names `in_use`, for messages about it."""
         return "spec.strategy" if self.one_strategy else "spec.strategies"
 
-    def unread(self) -> list[str]:
+    def unread(self, filled: dict | None = None) -> list[str]:
         """spec.strategy and spec.strategies where set but not read in this mode, one line each:
         said at start-up, not refused, so that a run directory's config.yaml (written with
         spec.strategy=4_2_8 before it defaulted to unset) still resumes; `generate` refuses the
-        flags instead."""
+        flags instead. `filled`: values the config filled in itself (vLLM's `vllm_arms`), which
+        the user did not set."""
         drafts = "spec.strategy" if self.one_strategy else "spec.strategies, the bandit's arms"
         reader = {"off": "spec.mode=off decodes without speculation", "on": "spec.mode=on drafts with spec.strategy",
                   "adaptive": f"spec.mode=adaptive with spec.tuner={self.tuner} drafts with {drafts}"}[self.mode]
-        given = {"spec.strategy": self.strategy,
-                 "spec.strategies": ",".join(self.strategies) if self.strategies is not None else None}
+        filled = filled or {}
+        given = {"strategy": self.strategy, "strategies": self.strategies}
         read = self.in_use_field if self.mode != "off" else None
-        return [f"{field}={value} is not read: {reader}" for field, value in given.items()
-                if value is not None and field != read]
+        return [f"spec.{name}={'[' + ','.join(value) + ']' if name == 'strategies' else value} is not read: {reader}"
+                for name, value in given.items()
+                if value is not None and f"spec.{name}" != read and value != filled.get(name)]
 
     def uses_suffix(self) -> bool:
         """Whether an arm drafts from the suffix index (then the history is kept)."""
