@@ -123,7 +123,12 @@ def test_two_workers_roll_out_and_update_like_one(toy, tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-7), (step, key)
 
 
-def test_a_dying_worker_stops_the_run_and_the_checkpoint_resumes(toy, tmp_path):
+def test_a_dying_worker_stops_the_run_and_the_checkpoint_resumes(toy, tmp_path, monkeypatch):
+    import tailtamer.dist as dist
+
+    # worker 0 waits for the dead one's shard at a barrier without a timeout, so the launcher
+    # ends it once the grace is over (30 s in a run)
+    monkeypatch.setattr(dist, "FAILURE_GRACE_S", 3.0)
     common = toy + ["run.save_every=2", "rl.lr=1e-3", "run.workers=2", "run.dist_timeout_s=60"]
     run = tmp_path / "runs" / "dies"
     cfg = load_train_config(None, common + ["run.steps=6", "run.name=dies"])
