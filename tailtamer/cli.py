@@ -160,17 +160,16 @@ def cmd_generate(args) -> None:
     try:
         check_spec_flags(args)
         vllm = args.backend == "vllm"
-        if vllm:
-            require_vllm("--backend vllm")
-            if args.dtype == "float64":
-                raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
         unset = vllm_arms(args.drafter) if vllm else {}
         arms = args.strategies or unset.get("strategies")
         spec = SpecConfig(mode=args.spec, strategy=args.strategy or unset.get("strategy"), drafter=args.drafter,
                           bs_threshold=args.bs_threshold, tuner=args.tuner or "beg",
                           compile=args.compile and not vllm, strategies=tuple(arms) if arms else None)
-        if vllm:
+        if vllm:  # what vLLM cannot run is said before whether it is installed (as `train` does)
             check_strategies(spec)
+            require_vllm("--backend vllm")
+            if args.dtype == "float64":
+                raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
         else:
             check_engine_drafter(spec)
     except ConfigError as e:

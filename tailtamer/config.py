@@ -404,7 +404,11 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
     try:
         return from_dict(TrainConfig, absolute_paths(data))
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        # a bad value given on the command line is not the file's: blaming the file (a resumed
+        # run's config.yaml, say) would send the user to edit a file that is fine
+        given = {item.split("=", 1)[0].strip() for item in overrides}
+        from_file = path is not None and not given & set(re.findall(r"[a-z_]+(?:\.[a-z_0-9]+)+", str(e)))
+        raise ConfigError(f"{path}: {e}" if from_file else str(e)) from None
 
 
 REFERENCE_COMMAND = "tailtamer train --help-config markdown > docs/config.md"

@@ -96,6 +96,23 @@ def test_bad_files(tmp_path):
         load_train_config(bad)
 
 
+def test_a_bad_override_is_not_blamed_on_the_file(tmp_path):
+    """A resumed run's config.yaml (or any config file) with a bad value given on the command
+    line: the message names the field the user typed, not the file, which is fine."""
+    good = tmp_path / "config.yaml"
+    good.write_text("rl:\n  clip_low: 0.2\nspec:\n  history: 4\n")
+    for override, message in [("spec.history=-1", "spec.history must be >= 0, got -1"),
+                              ("rollout.group_size=1", "rollout.group_size must be >= 2, got 1"),
+                              ("rl.overlong=penalty", "rl.overlong_buffer (64) must be below rollout.max_new_tokens"),
+                              ("spec.strategies=[4_1_5+s]", "spec.strategies: strategy '4_1_5+s' is not")]:
+        with pytest.raises(ConfigError) as e:
+            load_train_config(good, [override, "rollout.max_new_tokens=64"])
+        assert str(e.value).startswith(message), str(e.value)
+    good.write_text("rl:\n  clip_low: 2\n")  # the file's own mistake, whatever else is given
+    with pytest.raises(ConfigError, match=r"config.yaml: rl.clip_low must be in \[0, 1\)"):
+        load_train_config(good, ["spec.history=4"])
+
+
 def _leaves(cfg, where=""):
     from dataclasses import fields, is_dataclass
 

@@ -591,3 +591,10 @@ def test_the_draft_history_is_saved_with_the_checkpoint_and_a_bad_one_is_named(t
     _train(toy, "run.steps=3", "spec.history_on_resume=fresh", resume=run, log=lines.append)
     assert "spec.history_on_resume=fresh: the suffix drafts start without the checkpoint's history" in lines
     assert [r["step"] for r in _rows(run)] == [1, 2, 3]
+    # for that resume only: the next one loads the history step 3 saved (it stands in resumes.jsonl)
+    assert yaml.safe_load((run / "config.yaml").read_text())["spec"]["history_on_resume"] == "load"
+    assert json.loads((run / "resumes.jsonl").read_text().splitlines()[-1])["changes"] == {
+        "run.steps": [2, 3], "spec.history_on_resume": ["load", "fresh"]}
+    lines = []
+    _train(toy, "run.steps=4", resume=run, log=lines.append)
+    assert not any("history_on_resume" in line or "holds no draft history" in line for line in lines), lines

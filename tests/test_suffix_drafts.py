@@ -243,6 +243,9 @@ def test_a_history_cap_past_the_machines_memory_is_refused():
     with pytest.raises(ConfigError, match=r"spec.history_tokens=2147483648 would hold 8.0 GiB of responses; this "
                                           r"machine has 8.0 GiB available: lower spec.history_tokens"):
         SpecConfig(mode="on", drafter="suffix", history_tokens=1 << 31).make_history(100, 8 << 30)
+    with pytest.raises(ConfigError, match=r"8.0 GiB of responses; each of the 2 workers on this machine has 8.0 GiB of "
+                                          r"its available memory and keeps a history of its own: lower"):
+        SpecConfig(mode="on", drafter="suffix", history_tokens=1 << 31).make_history(100, 8 << 30, 2)
 
 
 def test_group_size_one_drafts_from_its_own_text(target):

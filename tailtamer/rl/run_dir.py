@@ -171,6 +171,20 @@ def claim_run_dir(cfg, resume: Path | None):
 FIXED_ON_RESUME = ("run.name", "run.out_dir", "run.model")
 
 
+# Settings that instruct one resume, not the run: config.yaml keeps them as these, so that a
+# later resume does not repeat them (a fresh draft history would throw a good one away).
+ONE_RESUME_ONLY = {("spec", "history_on_resume"): "load"}
+
+
+def run_settings(cfg_dict: dict) -> dict:
+    """What config.yaml keeps of a run's config: all of it, but ONE_RESUME_ONLY as given there."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in cfg_dict.items()}
+    for (section, name), value in ONE_RESUME_ONLY.items():
+        if isinstance(out.get(section), dict) and name in out[section]:
+            out[section][name] = value
+    return out
+
+
 def flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -209,7 +223,7 @@ def record_resume(run_dir: Path, step: int, cfg_dict: dict, changes: dict, log) 
         + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()))
     with open(run_dir / "resumes.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps({"step": step, "changes": changes}) + "\n")
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(run_settings(cfg_dict), sort_keys=False))
 
 
 def keep_metrics_through(path: Path, step: int, log) -> list[dict]:

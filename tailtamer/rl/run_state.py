@@ -183,7 +183,8 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     vllm_log = (run_dir / VLLM_LOG, f"worker {workers.rank} ") if run_dir.is_dir() else (None, "")
     history = None
     if cfg.rollout.backend == "tailtamer":  # each worker keeps its own, in the machine's memory
-        history = cfg.spec.make_history(model_cfg.vocab_size, machine_share(available_memory("cpu"), workers.world))
+        history = cfg.spec.make_history(model_cfg.vocab_size, machine_share(available_memory("cpu"), workers.world),
+                                        local_workers(workers.world))
     if history is not None and resume is not None:
         if cfg.spec.history_on_resume == "fresh":
             log("spec.history_on_resume=fresh: the suffix drafts start without the checkpoint's history")
@@ -214,9 +215,14 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
                     saved_step=state["step"] if resume is not None else None, draft_history=history)
 
 
+def local_workers(world: int) -> int:
+    """How many of the run's `world` workers share this machine's memory."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
 def machine_share(available: int | None, world: int) -> int | None:
     """This worker's share of the machine's memory (None: unknown): its workers share it."""
-    return available and available // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return available and available // local_workers(world)
 
 
 def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_drafter: Path | None, resumed: bool,

@@ -43,7 +43,8 @@ from tailtamer.rl import grpo
 from tailtamer.rl.batching import Samples, minibatch_of, rebalance, response_batch, update_plan
 from tailtamer.rl.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
 from tailtamer.rl.rewards import merge_failures
-from tailtamer.rl.run_dir import claim_run_dir, keep_metrics_through, record_resume, resume_changes, resume_note
+from tailtamer.rl.run_dir import (claim_run_dir, keep_metrics_through, record_resume, resume_changes, resume_note,
+                                  run_settings)
 from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, say_unread, setup, training_prompts
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics, worker_share
 from tailtamer.rollout.backend import RolloutBackendError
@@ -443,7 +444,8 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
     if w.is_main:
         if resume is None:
             with writing("the run's config.yaml", s.run_dir, "; nothing was trained"):
-                atomic_write_text(s.run_dir / "config.yaml", yaml.safe_dump(to_dict(s.cfg), sort_keys=False))
+                settings = run_settings(to_dict(s.cfg))
+                atomic_write_text(s.run_dir / "config.yaml", yaml.safe_dump(settings, sort_keys=False))
         else:
             record_resume(s.run_dir, s.step, to_dict(cfg), changes, log)
         s.history = keep_metrics_through(s.run_dir / "metrics.jsonl", s.step, log)

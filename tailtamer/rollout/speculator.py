@@ -80,10 +80,10 @@ class SpecConfig:
                              "charged to no step; eager elsewhere and if compiling fails")
     history: int = f(8, "suffix drafts: earlier responses kept per prompt (by its tokens) to draft from in later "
                         "steps, saved with the checkpoint; 0: none")
-    history_tokens: int = f(4_000_000, "suffix drafts: tokens the history keeps in all (4 bytes each); the prompts "
-                                       "answered longest ago go first")
+    history_tokens: int = f(4_000_000, "suffix drafts: tokens the history keeps in all, each worker's its own (4 "
+                                       "bytes each); the prompts answered longest ago go first")
     history_on_resume: str = f("load", "load (the checkpoint's history; a bad one stops the resume) or fresh (start "
-                                       "with none)")
+                                       "with none; for that resume only: config.yaml keeps load)")
 
     def __post_init__(self):
         suffix = self.drafter == "suffix"
@@ -165,15 +165,19 @@ class SpecConfig:
         """Whether an arm drafts from the suffix index (then the history is kept)."""
         return any((s := Strategy.parse(n)).model_free or s.suffix for n in self.in_use)
 
-    def make_history(self, vocab_size: int, available: int | None) -> DraftHistory | None:
+    def make_history(self, vocab_size: int, available: int | None, sharers: int = 1) -> DraftHistory | None:
         """The history the suffix index drafts from across rollouts, if an arm uses it; refused
-        if its cap would not fit in half the machine's `available` bytes (None: unknown)."""
+        if its cap would not fit in half of `available` bytes (None: unknown), this worker's share
+        of the machine's memory, which `sharers` workers share (each keeps a history of its own)."""
         if self.mode == "off" or not self.history or not self.uses_suffix():
             return None
         if available is not None and self.history_tokens * BYTES_PER_TOKEN > available // 2:
+            has = (f"this machine has {available / 2 ** 30:.1f} GiB available" if sharers == 1 else
+                   f"each of the {sharers} workers on this machine has {available / 2 ** 30:.1f} GiB of its "
+                   f"available memory and keeps a history of its own")
             raise ConfigError(f"spec.history_tokens={self.history_tokens} would hold "
-                              f"{self.history_tokens * BYTES_PER_TOKEN / 2 ** 30:.1f} GiB of responses; this machine "
-                              f"has {available / 2 ** 30:.1f} GiB available: lower spec.history_tokens")
+                              f"{self.history_tokens * BYTES_PER_TOKEN / 2 ** 30:.1f} GiB of responses; {has}: "
+                              f"lower spec.history_tokens")
         return DraftHistory(self.history, self.history_tokens, vocab_size)
 
     def threshold(self, device_type: str) -> int | None:
