@@ -167,9 +167,9 @@ def cmd_generate(args) -> None:
                           compile=args.compile and not vllm, strategies=tuple(arms) if arms else None)
         if vllm:  # what vLLM cannot run is said before whether it is installed (as `train` does)
             check_strategies(spec)
-            require_vllm("--backend vllm")
             if args.dtype == "float64":
                 raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
+            require_vllm("--backend vllm")
         else:
             check_engine_drafter(spec)
     except ConfigError as e:

@@ -4,6 +4,7 @@ plus dotted overrides (`tailtamer train cfg.yaml rl.lr=1e-6`), validated at star
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -395,20 +396,36 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
                     spec.get("bucket_thresholds") == list(FORMER_DEFAULT_THRESHOLDS):
                 spec["bucket_thresholds"] = None  # the default arms' thresholds of its day: today's follow today's arms
         data = {k: {} if v is None else v for k, v in data.items()}  # `run:` with every key commented out
+    in_file = copy.deepcopy(data)
     for item in overrides:
         apply_override(data, item)
+    try:
+        return _train_config(data)
+    except ConfigError as e:
+        # the file is named only for what it gets wrong by itself: blamed for a bad value given on
+        # the command line (to a resumed run's config.yaml, say), it would send the user to edit
+        # a file that is fine
+        blame = path is not None and (not overrides or _fails_alike(in_file, e))
+        raise ConfigError(f"{path}: {e}" if blame else str(e)) from None
+
+
+def _fails_alike(data: dict, error: ConfigError) -> bool:
+    """Whether `data` (the config file alone) fails with `error`'s message."""
+    try:
+        _train_config(data)
+    except ConfigError as e:
+        return str(e) == str(error)
+    return False
+
+
+def _train_config(data: dict) -> TrainConfig:
+    """The TrainConfig of a parsed config with its overrides applied (vLLM's default arms filled in
+    where rollout.backend=vllm leaves them unset)."""
     if isinstance(data.get("rollout"), dict) and data["rollout"].get("backend") == "vllm" and \
             isinstance(data.setdefault("spec", {}), dict):
         for name, value in vllm_arms(data["spec"].get("drafter")).items():
             data["spec"].setdefault(name, list(value) if isinstance(value, tuple) else value)
-    try:
-        return from_dict(TrainConfig, absolute_paths(data))
-    except ConfigError as e:
-        # a bad value given on the command line is not the file's: blaming the file (a resumed
-        # run's config.yaml, say) would send the user to edit a file that is fine
-        given = {item.split("=", 1)[0].strip() for item in overrides}
-        from_file = path is not None and not given & set(re.findall(r"[a-z_]+(?:\.[a-z_0-9]+)+", str(e)))
-        raise ConfigError(f"{path}: {e}" if from_file else str(e)) from None
+    return from_dict(TrainConfig, absolute_paths(data))
 
 
 REFERENCE_COMMAND = "tailtamer train --help-config markdown > docs/config.md"

@@ -108,8 +108,17 @@ def test_a_bad_override_is_not_blamed_on_the_file(tmp_path):
         with pytest.raises(ConfigError) as e:
             load_train_config(good, [override, "rollout.max_new_tokens=64"])
         assert str(e.value).startswith(message), str(e.value)
-    good.write_text("rl:\n  clip_low: 2\n")  # the file's own mistake, whatever else is given
+    for override in ["rll.lr=1", "spec={history: -1}"]:  # a key that is no field, a whole section
+        with pytest.raises(ConfigError) as e:
+            load_train_config(good, [override])
+        assert not str(e.value).startswith(str(good)), str(e.value)
+    # the file's own mistakes, whatever else is given, even where the message names the override
+    good.write_text("rl:\n  clip_low: 2\n")
     with pytest.raises(ConfigError, match=r"config.yaml: rl.clip_low must be in \[0, 1\)"):
+        load_train_config(good, ["spec.history=4"])
+    good.write_text("spec:\n  histroy: 4\n")
+    with pytest.raises(ConfigError, match=r"config.yaml: unknown config field\(s\) spec.histroy \(did you mean "
+                                          r"spec.history\?\)"):
         load_train_config(good, ["spec.history=4"])
 
 

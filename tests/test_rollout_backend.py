@@ -209,13 +209,16 @@ def test_the_vllm_backend_without_vllm_is_one_line_naming_the_set_up(tmp_path, c
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-@pytest.mark.parametrize("command,flag", [
-    (["train", "rollout.backend=vllm", "spec.drafter=suffix", "run.out_dir=runs"], "spec.drafter=suffix"),
-    (["generate", "--backend", "vllm", "--model", "m", "--prompts", "p.jsonl", "--out", "o.jsonl", "--spec", "on",
-      "--drafter", "suffix"], "--drafter=suffix")])
-def test_the_suffix_drafter_on_vllm_is_refused_whether_or_not_vllm_is_installed(tmp_path, command, flag):
+GENERATE_ON_VLLM = ["generate", "--backend", "vllm", "--model", "m", "--prompts", "p.jsonl", "--out", "o.jsonl"]
+
+
+@pytest.mark.parametrize("command,message", [
+    (["train", "rollout.backend=vllm", "spec.drafter=suffix", "run.out_dir=runs"], "spec.drafter=suffix runs on "),
+    (GENERATE_ON_VLLM + ["--spec", "on", "--drafter", "suffix"], "--drafter=suffix runs on "),
+    (GENERATE_ON_VLLM + ["--dtype", "float64"], "--dtype float64: vLLM runs float32 or bfloat16")])
+def test_what_vllm_cannot_run_is_refused_whether_or_not_vllm_is_installed(tmp_path, command, message):
     """What vLLM cannot run is said first: installing vLLM would not make it run."""
     done = subprocess.run([sys.executable, "-m", "tailtamer", *command], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith(f"error: {flag} runs on "), done.stderr
+    assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith(f"error: {message}"), done.stderr
     assert list(tmp_path.iterdir()) == []

@@ -240,11 +240,13 @@ def test_a_top_k_above_the_vocabulary_is_refused_before_the_drafter_loads(target
 
 def test_a_history_cap_past_the_machines_memory_is_refused():
     SpecConfig(mode="on", drafter="suffix", history_tokens=1 << 29).make_history(100, 8 << 30)  # 2 GiB of 8: kept
-    with pytest.raises(ConfigError, match=r"spec.history_tokens=2147483648 would hold 8.0 GiB of responses; this "
-                                          r"machine has 8.0 GiB available: lower spec.history_tokens"):
+    with pytest.raises(ConfigError, match=r"spec.history_tokens=2147483648 would hold 8.0 GiB of responses, over "
+                                          r"half of what it may use \(this machine has 8.0 GiB available\): lower "
+                                          r"spec.history_tokens"):
         SpecConfig(mode="on", drafter="suffix", history_tokens=1 << 31).make_history(100, 8 << 30)
-    with pytest.raises(ConfigError, match=r"8.0 GiB of responses; each of the 2 workers on this machine has 8.0 GiB of "
-                                          r"its available memory and keeps a history of its own: lower"):
+    with pytest.raises(ConfigError, match=r"8.0 GiB of responses, over half of what it may use \(each of the 2 "
+                                          r"workers on this machine has 8.0 GiB of the machine's available memory and "
+                                          r"keeps a history of its own\): lower"):
         SpecConfig(mode="on", drafter="suffix", history_tokens=1 << 31).make_history(100, 8 << 30, 2)
 
 

@@ -80,8 +80,8 @@ class SpecConfig:
                              "charged to no step; eager elsewhere and if compiling fails")
     history: int = f(8, "suffix drafts: earlier responses kept per prompt (by its tokens) to draft from in later "
                         "steps, saved with the checkpoint; 0: none")
-    history_tokens: int = f(4_000_000, "suffix drafts: tokens the history keeps in all, each worker's its own (4 "
-                                       "bytes each); the prompts answered longest ago go first")
+    history_tokens: int = f(4_000_000, "suffix drafts: tokens the history keeps per worker (4 bytes each); the "
+                                       "prompts answered longest ago go first")
     history_on_resume: str = f("load", "load (the checkpoint's history; a bad one stops the resume) or fresh (start "
                                        "with none; for that resume only: config.yaml keeps load)")
 
@@ -173,11 +173,11 @@ class SpecConfig:
             return None
         if available is not None and self.history_tokens * BYTES_PER_TOKEN > available // 2:
             has = (f"this machine has {available / 2 ** 30:.1f} GiB available" if sharers == 1 else
-                   f"each of the {sharers} workers on this machine has {available / 2 ** 30:.1f} GiB of its "
-                   f"available memory and keeps a history of its own")
+                   f"each of the {sharers} workers on this machine has {available / 2 ** 30:.1f} GiB of the "
+                   f"machine's available memory and keeps a history of its own")
             raise ConfigError(f"spec.history_tokens={self.history_tokens} would hold "
-                              f"{self.history_tokens * BYTES_PER_TOKEN / 2 ** 30:.1f} GiB of responses; {has}: "
-                              f"lower spec.history_tokens")
+                              f"{self.history_tokens * BYTES_PER_TOKEN / 2 ** 30:.1f} GiB of responses, over half "
+                              f"of what it may use ({has}): lower spec.history_tokens")
         return DraftHistory(self.history, self.history_tokens, vocab_size)
 
     def threshold(self, device_type: str) -> int | None:
