@@ -138,7 +138,11 @@ class RolloutConfig:
                                   "worker, in the environment `make vllm-env` creates; README, 'vLLM')")
 
     def __post_init__(self):
-        at_least(self, "rollout", 1, "prompts_per_step", "group_size", "max_new_tokens", "max_batch_size")
+        at_least(self, "rollout", 1, "prompts_per_step", "max_new_tokens", "max_batch_size")
+        if self.group_size < 2:  # one check for 0 and 1 alike, which says why
+            raise ConfigError(f"rollout.group_size must be >= 2, got {self.group_size}: every advantage "
+                              f"({', '.join(ADVANTAGES)}) compares a sample with the others of its prompt, so one "
+                              f"sample per prompt has advantage 0 and the policy never changes")
         if self.backend not in BACKENDS:
             raise ConfigError(f"rollout.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.temperature <= 0:
@@ -252,12 +256,9 @@ class TrainConfig:
         if self.rl.overlong == "penalty" and self.rl.overlong_buffer >= self.rollout.max_new_tokens:
             raise ConfigError(f"rl.overlong_buffer ({self.rl.overlong_buffer}) must be below rollout.max_new_tokens "
                               f"({self.rollout.max_new_tokens}): the penalty would hit every response")
-        if self.rollout.group_size < 2:
-            raise ConfigError(f"rollout.group_size must be >= 2, got {self.rollout.group_size}: every advantage "
-                              f"({', '.join(ADVANTAGES)}) compares a sample with the others of its prompt, so one "
-                              f"sample per prompt has advantage 0 and the policy never changes")
         if self.rollout.prompts_per_step * self.rollout.group_size % self.rl.minibatches:
-            raise ConfigError(f"rl.minibatches ({self.rl.minibatches}) must divide prompts_per_step x group_size "
+            raise ConfigError(f"rl.minibatches ({self.rl.minibatches}) must divide rollout.prompts_per_step x "
+                              f"rollout.group_size "
                               f"({self.rollout.prompts_per_step * self.rollout.group_size})")
         if self.spec.drafter == "builtin" and self.run.model is not None and self.spec.mode != "off":
             raise ConfigError(f"spec.drafter=builtin is the built-in base model's drafter, not one for "
