@@ -375,6 +375,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tailtamer.bench import ROLLOUT_ARMS
     from tailtamer.drafter.train import DrafterTrainConfig
     from tailtamer.rollout.engine import EngineConfig
     from tailtamer.sft import SFTConfig
@@ -485,9 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--group", type=int, help="sd: siblings per problem of the grouped workload, as GRPO samples "
                                             "(default 8; 1: the single workload only)")
     b.add_argument("--arms", nargs="+", metavar="ARM", help="rollout: the arms to run, after the benchmark's name; "
-                                                           "plain always runs (default: all of plain, sd_fixed_4_2_8, "
-                                                           "adaptive, adaptive_compiled, adaptive_fused, "
-                                                           "adaptive_fresh_bandit)")
+                                                           f"plain always runs (default: all of {', '.join(ROLLOUT_ARMS)})")
     b.add_argument("--out", help="also write the report here")
     b.add_argument("--steps", type=int, help="train, profile: RL steps per run (default 10; profile: >= 2)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="train: a config override (repeatable)")
