@@ -16,8 +16,9 @@ from tailtamer.errors import WriteError
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)`, fsync it, then rename it over `path` (same directory, so atomic)."""
-    path = Path(path)
+    """Call `write(tmp_path)`, fsync it, then rename it over `path` (same directory, so atomic).
+    A symlink is followed: its target is replaced, the link stays."""
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

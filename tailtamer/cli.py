@@ -82,6 +82,8 @@ def output_file(path: str, flag: str, inputs: dict[str, str] = {}) -> None:
     p = Path(path)
     if p.is_dir():
         raise TailtamerError(f"{flag} {path} is a directory; give a file path")
+    if p.exists() and not p.is_file():  # the write replaces the path: a device or pipe would be gone
+        raise TailtamerError(f"{flag} {path} is not a regular file (a device, pipe or socket); give a file path")
     for other_flag, other in inputs.items():
         o = Path(other).resolve()
         if p.resolve() == o or o in p.resolve().parents:
@@ -157,6 +159,7 @@ def cmd_generate(args) -> None:
     from tailtamer.rollout.vllm_backend import (VLLMBackend, VLLMConfig, bias_free, check_params, check_strategies,
                                                 require_vllm, vllm_arms)
 
+    at_least_one(args.max_batch_size, "--max-batch-size")
     try:
         check_spec_flags(args)
         vllm = args.backend == "vllm"
@@ -236,6 +239,9 @@ def cmd_drafter_train(args) -> None:
     from tailtamer.model.drafter import load_drafter, save_drafter
     from tailtamer.model.io import load_pretrained
 
+    for flag, value in (("--steps", args.steps), ("--unroll", args.unroll)):
+        if value is not None:
+            at_least_one(value, flag)
     fresh_output_dir(args.out, "--out")
     cfg = replace(DrafterTrainConfig(fc_bias=not args.no_fc_bias),
                   **{k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed), ("unroll", args.unroll))
@@ -248,6 +254,9 @@ def cmd_drafter_train(args) -> None:
     else:
         texts = read_texts(args.data)
     start = load_drafter(args.init, model) if args.init else None
+    if start is not None and args.no_fc_bias and start.fc.bias is not None:
+        raise TailtamerError(f"--no-fc-bias: --init {args.init}'s drafter has an fc bias, which training keeps; "
+                             f"leave out --init to train a drafter without one")
     drafter, info = train_drafter(model, encode_texts(tokenizer, texts, cfg.max_len), cfg, drafter=start)
 
     def write(tmp: Path) -> None:
@@ -265,6 +274,8 @@ def cmd_sft(args) -> None:
     from tailtamer.sft import SFTConfig, ensure_base_model, train_sft
 
     given = {"steps": args.steps, "habit_steps": args.habit_steps, "seed": args.seed, "preset": args.preset}
+    if args.steps is not None:
+        at_least_one(args.steps, "--steps")
     cfg = replace(SFTConfig(), **{k: v for k, v in given.items() if v is not None})
     if args.out:
         fresh_output_dir(args.out, "--out")
@@ -339,8 +350,8 @@ def cmd_bench(args) -> None:
     if drafts and args.model and not args.drafter:  # the built-in drafter is trained for the built-in model
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
                              f"model (tailtamer drafter train --model {args.model} --data ... --out DIR)")
-    if args.out:
-        output_file(args.out, "--out")
+    if args.out is not None:
+        output_file(args.out, "--out", {k: v for k, v in (("--model", args.model), ("--drafter", args.drafter)) if v})
     if args.what == "profile":
         from tailtamer.bench_profile import bench_profile
 

@@ -98,7 +98,8 @@ class RunConfig:
 
     def __post_init__(self):
         at_least(self, "run", 1, "steps", "keep_checkpoints")
-        at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers", "log_samples_every")
+        at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers", "log_samples_every", "seed")
+        at_most(self, "run", 2 ** 32 - 1, "seed")  # what every library it seeds takes (NumPy's legacy seed: 32 bits)
         positive(self, "run", "dist_timeout_s")
         at_most(self, "run", 7 * 86400, "dist_timeout_s")
         if self.shard not in SHARDINGS:
@@ -261,6 +262,8 @@ class TrainConfig:
                               f"rollout.group_size "
                               f"({self.rollout.prompts_per_step * self.rollout.group_size})")
         if self.spec.drafter == "builtin" and self.run.model is not None and self.spec.mode != "off":
+            if not Path(self.run.model).is_dir():  # the drafter is not the mistake to name first
+                raise ConfigError(f"run.model {self.run.model}: model directory not found")
             raise ConfigError(f"spec.drafter=builtin is the built-in base model's drafter, not one for "
                               f"run.model={self.run.model}; give spec.drafter=DIR (tailtamer drafter train), "
                               f"spec.drafter=suffix, or spec.mode=off")

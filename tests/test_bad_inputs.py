@@ -44,6 +44,32 @@ def test_generate_never_writes_over_its_inputs(model_dir, tmp_path, capsys, case
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_bench_never_writes_over_its_model(model_dir, tmp_path, capsys):
+    before = (model_dir / "config.json").read_text()
+    code = main(["bench", "decode", "--model", str(model_dir), "--out", str(model_dir / "config.json"), "--repeats", "1"])
+    _one_line_error(capsys, "would overwrite --model", code)
+    assert (model_dir / "config.json").read_text() == before
+    _one_line_error(capsys, "--out is empty", main(["bench", "decode", "--out", "", "--repeats", "1"]))
+
+
+def test_an_output_is_never_written_over_a_pipe_and_follows_a_link(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    _one_line_error(capsys, "is not a regular file", main(["task", "--out", str(fifo), "--n", "2"]))
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    assert main(["task", "--out", str(link), "--n", "2"]) == 0
+    assert link.is_symlink() and len(target.read_text().splitlines()) == 2
+
+
+def test_a_batch_size_of_zero_names_the_flag(model_dir, tmp_path, capsys):
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out",
+                 str(tmp_path / "o.jsonl"), "--max-batch-size", "0"])
+    _one_line_error(capsys, "--max-batch-size must be >= 1", code)
+
+
 def test_demo_never_writes_into_another_directory(tmp_path, capsys):
     other = tmp_path / "run"
     other.mkdir()
@@ -76,6 +102,9 @@ def _umask():
     (["run.name=a/b"], "run.name must be a plain directory name"),
     (["run.name=."], "run.name must be a plain directory name"),
     (["spec.strategy=²_1_2"], "spec.strategy"),
+    (["run.seed=-5"], "run.seed must be >= 0"),
+    (["run.seed=99999999999999999999999"], "run.seed must be <= 4294967295"),
+    (["run.model=/nonexistent/model"], "run.model /nonexistent/model: model directory not found"),
 ])
 def test_more_bad_configs(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -109,6 +138,17 @@ def test_usage_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         main(["init-model", "--preset", "tiny", "--out", "x", "--seed", "9" * 20])
     _one_line_error(capsys, "--seed: invalid seed value", e.value.code)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["sft", "--steps", "0", "--out", "x"], "--steps must be >= 1, got 0"),
+    (["drafter", "train", "--model", "m", "--data", "builtin", "--out", "d", "--steps", "0"], "--steps must be >= 1"),
+    (["drafter", "train", "--model", "m", "--data", "builtin", "--out", "d", "--unroll", "0"], "--unroll must be >= 1"),
+])
+def test_counts_below_one_name_the_flag(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(capsys, message, main(argv))
+    assert not any(tmp_path.iterdir())
 
 
 # --- data ---------------------------------------------------------------------------------------

@@ -148,6 +148,10 @@ def test_generate_with_speculation_matches_plain(model_dir, tmp_path):
     assert main(["drafter", "train", "--model", str(model_dir), "--data", str(prompts_as_texts(tmp_path)),
                  "--out", str(drafter), "--steps", "5"]) == 0
     assert (drafter / "config.json").is_file() and (drafter / "train.json").is_file()
+    # a flag that the --init drafter would override is refused, not dropped
+    assert main(["drafter", "train", "--model", str(model_dir), "--data", str(prompts_as_texts(tmp_path)),
+                 "--out", str(tmp_path / "again"), "--steps", "1", "--init", str(drafter), "--no-fc-bias"]) == 2
+    assert not (tmp_path / "again").exists()
     outputs = {}
     for name, extra in {"plain": [], "eagle": ["--spec", "on", "--drafter", str(drafter), "--strategy", "3_2_6"],
                         "suffix": ["--spec", "on", "--drafter", "suffix"],
