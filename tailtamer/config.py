@@ -82,12 +82,12 @@ class RunConfig:
     keep_checkpoints: int = f(2, "checkpoints kept: the newest N, plus the best by held-out accuracy")
     log_samples_every: int = f(10, "every N steps, the first sample of the first 4 prompts to samples.jsonl "
                                     "(and TensorBoard / W&B when on); 0 = never")
-    seed: int = f(0, "seeds data order, sampling and initialisation")
+    seed: int = f(0, "seeds data order, sampling and initialisation (0 to 2**32 - 1)")
     max_bad_steps: int = f(3, "stop (with a checkpoint) after this many NaN/inf losses in a row")
     loggers: tuple[str, ...] = f((), "extra loggers besides metrics.jsonl: tensorboard, wandb (offline unless WANDB_MODE)")
     workers: int = f(0, "worker processes on this machine (0 = one per CPU core or GPU, at most one per prompt "
                         "of a step); torchrun sets them itself")
-    dist_timeout_s: float = f(300.0, "a worker silent for this long in a collective stops the run")
+    dist_timeout_s: float = f(300.0, "a worker silent for this long in a collective stops the run (at least 1 s)")
     device: str | None = f(None, "cpu, cuda or cuda:N (each worker takes its own GPU); empty = cuda when this "
                                  "PyTorch sees a GPU, else cpu")
     shard: str = f("none", "the policy the update trains: none (whole on every worker) or fsdp (parameters, "
@@ -100,7 +100,7 @@ class RunConfig:
         at_least(self, "run", 1, "steps", "keep_checkpoints")
         at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers", "log_samples_every", "seed")
         at_most(self, "run", 2 ** 32 - 1, "seed")  # what every library it seeds takes (NumPy's legacy seed: 32 bits)
-        positive(self, "run", "dist_timeout_s")
+        at_least(self, "run", 1, "dist_timeout_s")  # below a second the workers' rendezvous itself times out
         at_most(self, "run", 7 * 86400, "dist_timeout_s")
         if self.shard not in SHARDINGS:
             raise ConfigError(f"run.shard must be one of {', '.join(SHARDINGS)}, got {self.shard!r}")

@@ -281,6 +281,9 @@ def spawn(world: int, entry: Callable, args: tuple, resume_note: Callable[[], st
 
     import torch.multiprocessing as mp
 
+    # When a failed worker's process (the store's host) is gone, a peer's store client logs a
+    # C++ stack trace as a warning; the launcher says which worker failed and why in one line.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     results = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(_spawned, args=(world, _free_port(), os.getpid(), entry, args, results),
                                nprocs=world, join=False, start_method="spawn").processes

@@ -98,6 +98,7 @@ def _umask():
     (["rl.overlong=penalty", "rollout.max_new_tokens=8"], "rl.overlong_buffer (64) must be below rollout.max_new_tokens"),
     (["rl.reward_timeout_s=1e7"], "rl.reward_timeout_s must be <= 86400"),
     (["run.dist_timeout_s=1e300"], "run.dist_timeout_s must be <= 604800"),
+    (["run.dist_timeout_s=1e-9"], "run.dist_timeout_s must be >= 1"),
     (["run.name=../escape"], "run.name must be a plain directory name"),
     (["run.name=a/b"], "run.name must be a plain directory name"),
     (["run.name=."], "run.name must be a plain directory name"),

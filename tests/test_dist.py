@@ -429,3 +429,20 @@ def test_a_process_whose_parent_died_while_it_started_exits():
     alive = subprocess.Popen([sys.executable, "-c", "import os, time; from tailtamer.stopping import "
                               "exit_with_parent; exit_with_parent(os.getppid()); time.sleep(2)"])
     assert alive.wait(timeout=50) == 0  # its parent (this process) lives: it runs to its end
+
+
+def test_a_worker_that_fails_at_start_up_is_one_line_and_nothing_else(tmp_path):
+    """Worker 0 hosts the c10d store: when it fails, its peer's store client loses the server
+    and would log a C++ stack trace; the user sees only the launcher's one line."""
+    import re
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-model"
+    result = subprocess.run([sys.executable, "-m", "tailtamer", "train", f"run.model={missing}", "spec.mode=off",
+                             "run.steps=1", "run.workers=2", f"run.out_dir={tmp_path / 'runs'}"],
+                            capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"})
+    assert result.returncode == 2, result.stderr
+    assert re.fullmatch(rf"error: worker [01]: {re.escape(str(missing))}: model directory not found\n", result.stderr), \
+        result.stderr
