@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from tailtamer.atomic import make_dirs, remove_empty_dirs
-from tailtamer.errors import ConfigError, TailtamerError
+from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.stopping import Interrupted
 from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig
 
@@ -257,7 +257,10 @@ def cmd_drafter_train(args) -> None:
     if start is not None and args.no_fc_bias and start.fc.bias is not None:
         raise TailtamerError(f"--no-fc-bias: --init {args.init}'s drafter has an fc bias, which training keeps; "
                              f"leave out --init to train a drafter without one")
-    drafter, info = train_drafter(model, encode_texts(tokenizer, texts, cfg.max_len), cfg, drafter=start)
+    try:
+        drafter, info = train_drafter(model, encode_texts(tokenizer, texts, cfg.max_len), cfg, drafter=start)
+    except DataError as e:  # about the texts: name where they came from
+        raise DataError(f"--data {args.data}: {e}") from None
 
     def write(tmp: Path) -> None:
         save_drafter(drafter, tmp)
@@ -323,6 +326,9 @@ def cmd_demo(args) -> None:
 
     at_least_one(args.prompts, "--prompts")
     at_least_one(args.n, "--n")
+    out = Path(args.out).resolve()
+    if args.model and Path(args.model).resolve() in (out, *out.parents):
+        raise TailtamerError(f"--out {args.out} would write into --model {args.model}")
     fresh_output_dir(args.out, "--out", ours=OUTPUT_FILES)
     run_demo(out_dir=Path(args.out), n_prompts=args.prompts, n=args.n, seed=args.seed,
              model=Path(args.model) if args.model else None)

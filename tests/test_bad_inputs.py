@@ -70,6 +70,19 @@ def test_a_batch_size_of_zero_names_the_flag(model_dir, tmp_path, capsys):
     _one_line_error(capsys, "--max-batch-size must be >= 1", code)
 
 
+def test_demo_never_writes_into_its_model(model_dir, capsys):
+    code = main(["demo", "--model", str(model_dir), "--out", str(model_dir / "demo")])
+    _one_line_error(capsys, "would write into --model", code)
+    assert not (model_dir / "demo").exists()
+
+
+def test_drafter_texts_too_short_to_train_on_name_the_file(model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "short.jsonl", [{"text": ""}, {"text": "a"}])
+    code = main(["drafter", "train", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "d")])
+    _one_line_error(capsys, f"--data {data}: drafter training needs sequences of at least 3 tokens", code)
+    assert not (tmp_path / "d").exists()
+
+
 def test_demo_never_writes_into_another_directory(tmp_path, capsys):
     other = tmp_path / "run"
     other.mkdir()
