@@ -226,6 +226,9 @@ def check_arms(arms, field: str = "arms") -> None:
     unknown = list(dict.fromkeys(a for a in arms if a not in ROLLOUT_ARMS))
     if unknown:
         raise ConfigError(f"{field} {', '.join(unknown)}: bench rollout's arms are {known}")
+    twice = list(dict.fromkeys(a for a in arms if list(arms).count(a) > 1))
+    if twice:
+        raise ConfigError(f"{field} names {', '.join(twice)} more than once")
 
 
 def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, repeats: int = 1,

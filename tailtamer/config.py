@@ -125,6 +125,10 @@ class DataConfig:
     def __post_init__(self):
         at_least(self, "data", 1, "n_builtin", "max_prompt_tokens")
         at_least(self, "data", 0, "n_eval")
+        keys = [f"data.{k}" for k in ("prompt_key", "answer_key") if getattr(self, k) is not None]
+        if keys and all(x in (None, "builtin") for x in (self.train, self.eval)):
+            what = "name columns" if len(keys) > 1 else "names a column"
+            raise ConfigError(f"{' and '.join(keys)} {what} of a prompts file; data.train=builtin reads none")
 
 
 @dataclass(frozen=True)

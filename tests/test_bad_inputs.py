@@ -112,6 +112,7 @@ def _umask():
     (["rl.reward_timeout_s=1e7"], "rl.reward_timeout_s must be <= 86400"),
     (["run.dist_timeout_s=1e300"], "run.dist_timeout_s must be <= 604800"),
     (["run.dist_timeout_s=1e-9"], "run.dist_timeout_s must be >= 1"),
+    (["data.prompt_key=question"], "data.prompt_key names a column of a prompts file; data.train=builtin reads none"),
     (["run.name=../escape"], "run.name must be a plain directory name"),
     (["run.name=a/b"], "run.name must be a plain directory name"),
     (["run.name=."], "run.name must be a plain directory name"),
