@@ -196,6 +196,8 @@ def test_bad_answers_name_file_and_row(tmp_path, answer, message):
 
 
 @pytest.mark.parametrize("line,message", [('{"prompt": "\\ud800"}', "the prompt is not valid Unicode"),
+                                          ('{"prompt": "b", "messages": [{"role": "user", "content": "c"}]}',
+                                           "row has both 'prompt' and 'messages'; keep one"),
                                           ("[" * 100_000, "JSON nested too deeply")])
 def test_unusable_prompt_rows(model_dir, tmp_path, capsys, line, message):
     path = tmp_path / "p.jsonl"

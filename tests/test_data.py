@@ -208,3 +208,15 @@ def test_prompt_order_is_shuffled_passes_without_repeats(n, k):
         assert len({tuple(stream[e * n:(e + 1) * n]) for e in range(4)}) > 1  # each pass shuffled anew
         assert [PromptOrder(n, k, seed=s).indices(0) for s in range(5)] != [steps[0]] * 5  # the seed shuffles
     assert order.epochs_done(len(steps)) == len(stream) / n
+
+
+def test_a_row_with_both_prompt_and_messages_is_read_as_data_prompt_key_says(tmp_path):
+    from tailtamer.model.tokenizer import char_tokenizer
+
+    row = {"prompt": "ab", "messages": [{"role": "user", "content": "c"}], "answer": "1"}
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(DataError, match="d.jsonl:1: row has both 'prompt' and 'messages'; keep one or choose one with "
+                                        "data.prompt_key"):
+        load_task_rows(path, char_tokenizer(), 64)
+    rows, _ = load_task_rows(path, char_tokenizer(), 64, prompt_key="prompt")
+    assert rows[0]["prompt_ids"] == char_tokenizer().encode("ab")

@@ -32,6 +32,9 @@ def prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str = "prompt
 def _prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str, mappable: bool) -> str:
     if "prompt" not in row and "messages" not in row and isinstance(row.get("question"), str):
         return _nonempty(row["question"], where, "question")  # a raw GSM8K row
+    if "prompt" in row and "messages" in row:  # which one the user meant would be a guess
+        raise DataError(f"{where}: row has both 'prompt' and 'messages'; keep one"
+                        + (" or choose one with data.prompt_key" if mappable else ""))
     if "prompt" in row:
         prompt = row["prompt"]
         if isinstance(prompt, list):  # verl-style datasets keep chat messages under `prompt`
@@ -91,6 +94,8 @@ def map_columns(row: dict, prompt_key: str | None, answer_key: str | None, where
         if key not in row:
             raise DataError(f"{where}: no column {key!r} ({setting}); the row has {sorted(k for k in row if k != '_row')}")
         out[field] = row[key]
+        if field == "prompt":  # the column chosen is the prompt, whatever else the row holds
+            out.pop("messages", None)
     return out
 
 
