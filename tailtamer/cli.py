@@ -112,6 +112,21 @@ def seed(text: str) -> int:
     return value
 
 
+def check_responses_fit(prompts: int, n: int, max_new_tokens: int, available: int | None = None) -> None:
+    """`generate` keeps every response until it writes them: refused before it starts when
+    they could not fit in this machine's memory (a mistyped --n would otherwise grow until
+    the machine runs out)."""
+    from tailtamer.memory import available_memory, responses_bytes, size
+
+    available = available_memory("cpu") if available is None else available
+    need = responses_bytes(prompts * n, max_new_tokens)
+    if available is not None and need > available:
+        raise TailtamerError(f"--n {n}: {prompts} prompt{'s' * (prompts != 1)} x {n} samples of up to {max_new_tokens} "
+                             f"tokens may need "
+                             f"{size(need)} of memory, more than the {size(available)} available; lower --n or "
+                             f"--max-new-tokens, or split --prompts")
+
+
 def at_least_one(value: int, flag: str) -> int:
     if value < 1:
         raise TailtamerError(f"{flag} must be >= 1, got {value}")
@@ -192,6 +207,7 @@ def cmd_generate(args) -> None:
         output_file(args.stats, "--stats", {**inputs, "--out": args.out})
     model, tokenizer = load_pretrained(args.model, args.dtype, device)
     rows, prompts = load_prompts(args.prompts, tokenizer)
+    check_responses_fit(len(prompts), args.n, args.max_new_tokens)
     if args.backend == "vllm":
         drafter = load_drafter(spec.drafter, model) if spec.mode != "off" and spec.drafter not in ("ngram", "suffix") else None
         engine = VLLMBackend(args.model, model, tokenizer, spec, bias_free(drafter),

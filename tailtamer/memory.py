@@ -358,6 +358,20 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
 # --- reporting and the refusal --------------------------------------------------------------------
 
 
+# A generated response's host memory, measured loosely: each token is a Python int in the
+# engine's list and in the completion's (36 bytes each), its text and its JSON line; each
+# request its objects.
+RESPONSE_TOKEN_BYTES = 96
+RESPONSE_BYTES = 1024
+
+
+def responses_bytes(requests: int, max_new_tokens: int) -> int:
+    """Host memory `requests` responses of up to `max_new_tokens` tokens each may hold at the
+    end of a `generate`, when all of them are kept to be written: requests × (RESPONSE_BYTES
+    + max_new_tokens × RESPONSE_TOKEN_BYTES), the worst case (every response full length)."""
+    return requests * (RESPONSE_BYTES + max_new_tokens * RESPONSE_TOKEN_BYTES)
+
+
 def size(n: int) -> str:
     """1.2 GiB, 12.3 MiB, 120 KiB; '-' for nothing."""
     if n <= 0:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tailtamer.cli import main
 from tailtamer.config import load_train_config
-from tailtamer.errors import CheckpointError, ConfigError, DataError
+from tailtamer.errors import CheckpointError, ConfigError, DataError, TailtamerError
 from tailtamer.rl.trainer import train
 from conftest import write_jsonl
 
@@ -68,6 +68,19 @@ def test_a_batch_size_of_zero_names_the_flag(model_dir, tmp_path, capsys):
     code = main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out",
                  str(tmp_path / "o.jsonl"), "--max-batch-size", "0"])
     _one_line_error(capsys, "--max-batch-size must be >= 1", code)
+
+
+def test_more_responses_than_memory_holds_are_refused_before_generating(model_dir, tmp_path, capsys):
+    from tailtamer.cli import check_responses_fit
+    from tailtamer.memory import responses_bytes
+
+    check_responses_fit(2, 8, 256, available=responses_bytes(16, 256))  # exactly fits
+    with pytest.raises(TailtamerError, match="--n 9: 2 prompts x 9 samples of up to 256 tokens may need"):
+        check_responses_fit(2, 9, 256, available=responses_bytes(16, 256))
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out",
+                 str(tmp_path / "o.jsonl"), "--n", str(10 ** 12)])
+    _one_line_error(capsys, f"--n {10 ** 12}: 1 prompt x {10 ** 12} samples", code)
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_demo_never_writes_into_its_model(model_dir, capsys):
