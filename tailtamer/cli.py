@@ -112,19 +112,17 @@ def seed(text: str) -> int:
     return value
 
 
-def check_responses_fit(prompts: int, n: int, max_new_tokens: int, available: int | None = None) -> None:
-    """`generate` keeps every response until it writes them: refused before it starts when
-    they could not fit in this machine's memory (a mistyped --n would otherwise grow until
-    the machine runs out)."""
+def check_responses_fit(prompts: int, n: int, max_new_tokens: int, advice: str, available: int | None = None) -> None:
+    """`generate` and `demo` keep every response until they write them: refused before they
+    start when the responses could not fit in this machine's memory (a mistyped --n would
+    otherwise grow until the machine runs out)."""
     from tailtamer.memory import available_memory, responses_bytes, size
 
     available = available_memory("cpu") if available is None else available
     need = responses_bytes(prompts * n, max_new_tokens)
     if available is not None and need > available:
-        raise TailtamerError(f"--n {n}: {prompts} prompt{'s' * (prompts != 1)} x {n} samples of up to {max_new_tokens} "
-                             f"tokens may need "
-                             f"{size(need)} of memory, more than the {size(available)} available; lower --n or "
-                             f"--max-new-tokens, or split --prompts")
+        raise TailtamerError(f"{prompts} prompt{'s' * (prompts != 1)} x {n} samples of up to {max_new_tokens} tokens "
+                             f"may need {size(need)} of memory, more than the {size(available)} available; {advice}")
 
 
 def at_least_one(value: int, flag: str) -> int:
@@ -207,7 +205,7 @@ def cmd_generate(args) -> None:
         output_file(args.stats, "--stats", {**inputs, "--out": args.out})
     model, tokenizer = load_pretrained(args.model, args.dtype, device)
     rows, prompts = load_prompts(args.prompts, tokenizer)
-    check_responses_fit(len(prompts), args.n, args.max_new_tokens)
+    check_responses_fit(len(prompts), args.n, args.max_new_tokens, "lower --n or --max-new-tokens, or split --prompts")
     if args.backend == "vllm":
         drafter = load_drafter(spec.drafter, model) if spec.mode != "off" and spec.drafter not in ("ngram", "suffix") else None
         engine = VLLMBackend(args.model, model, tokenizer, spec, bias_free(drafter),
@@ -338,10 +336,11 @@ def cmd_task(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from tailtamer.demo import OUTPUT_FILES, run_demo
+    from tailtamer.demo import DEMO_MAX_NEW_TOKENS, OUTPUT_FILES, run_demo
 
     at_least_one(args.prompts, "--prompts")
     at_least_one(args.n, "--n")
+    check_responses_fit(args.prompts, args.n, DEMO_MAX_NEW_TOKENS, "lower --prompts or --n")
     out = Path(args.out).resolve()
     if args.model and Path(args.model).resolve() in (out, *out.parents):
         raise TailtamerError(f"--out {args.out} would write into --model {args.model}")

@@ -33,8 +33,11 @@ def tail_share(stats: RolloutStats, batch: int, fraction: float = 0.25) -> dict:
             "step_share": sum(in_tail) / max(1, len(in_tail))}
 
 
+DEMO_MAX_NEW_TOKENS = 512  # a response's length limit in the demo rollout
+
+
 def evaluate(model_dir: Path, n_prompts: int, n: int, seed: int, temperature: float = 1.0,
-             max_new_tokens: int = 512, max_batch_size: int = 512):
+             max_new_tokens: int = DEMO_MAX_NEW_TOKENS, max_batch_size: int = 512):
     task = ArithmeticTask()
     problems = task.dataset(n_prompts, HELD_OUT_SEED + seed)
     model, tokenizer = load_pretrained(model_dir)

@@ -74,13 +74,16 @@ def test_more_responses_than_memory_holds_are_refused_before_generating(model_di
     from tailtamer.cli import check_responses_fit
     from tailtamer.memory import responses_bytes
 
-    check_responses_fit(2, 8, 256, available=responses_bytes(16, 256))  # exactly fits
-    with pytest.raises(TailtamerError, match="--n 9: 2 prompts x 9 samples of up to 256 tokens may need"):
-        check_responses_fit(2, 9, 256, available=responses_bytes(16, 256))
+    check_responses_fit(2, 8, 256, "advice", available=responses_bytes(16, 256))  # exactly fits
+    with pytest.raises(TailtamerError, match="2 prompts x 9 samples of up to 256 tokens may need .*; advice"):
+        check_responses_fit(2, 9, 256, "advice", available=responses_bytes(16, 256))
     code = main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out",
                  str(tmp_path / "o.jsonl"), "--n", str(10 ** 12)])
-    _one_line_error(capsys, f"--n {10 ** 12}: 1 prompt x {10 ** 12} samples", code)
+    _one_line_error(capsys, f"1 prompt x {10 ** 12} samples of up to 256 tokens", code)
     assert not (tmp_path / "o.jsonl").exists()
+    _one_line_error(capsys, "; lower --prompts or --n", main(["demo", "--prompts", str(10 ** 12), "--out",
+                                                               str(tmp_path / "demo")]))
+    assert not (tmp_path / "demo").exists()
 
 
 def test_demo_never_writes_into_its_model(model_dir, capsys):
