@@ -84,19 +84,25 @@ def output_file(path: str, flag: str, inputs: dict[str, str] = {}) -> None:
         raise TailtamerError(f"{flag} {path} is a directory; give a file path")
     if p.exists() and not p.is_file():  # the write replaces the path: a device or pipe would be gone
         raise TailtamerError(f"{flag} {path} is not a regular file (a device, pipe or socket); give a file path")
-    for other_flag, other in inputs.items():
-        o = Path(other).resolve()
-        if p.resolve() == o or o in p.resolve().parents:
-            raise TailtamerError(f"{flag} {path} would overwrite {other_flag} {other}")
+    _clear_of_inputs(p, flag, path, inputs, "would overwrite")
     _writable_dir(p.parent, flag, path)
 
 
-def fresh_output_dir(path: str, flag: str, ours: tuple[str, ...] = ()) -> None:
+def _clear_of_inputs(p: Path, flag: str, path: str, inputs: dict[str, str], clash: str) -> None:
+    """An output path is none of `inputs` and lies inside none of them."""
+    for other_flag, other in inputs.items():
+        o = Path(other).resolve()
+        if p.resolve() == o or o in p.resolve().parents:
+            raise TailtamerError(f"{flag} {path} {clash} {other_flag} {other}")
+
+
+def fresh_output_dir(path: str, flag: str, ours: tuple[str, ...] = (), inputs: dict[str, str] = {}) -> None:
     """A directory a command writes into: never over a file or another directory's content
-    (files named in `ours`, the command's own earlier output, excepted)."""
+    (files named in `ours`, the command's own earlier output, excepted), nor into `inputs`."""
     if not path:
         raise TailtamerError(f"{flag} is empty; give a directory to create")
     p = Path(path)
+    _clear_of_inputs(p, flag, path, inputs, "would write into")
     if p.is_file():
         raise TailtamerError(f"{flag} {path} is a file; give a directory to create")
     if p.is_dir() and any(child.name not in ours for child in p.iterdir()):
@@ -341,10 +347,7 @@ def cmd_demo(args) -> None:
     at_least_one(args.prompts, "--prompts")
     at_least_one(args.n, "--n")
     check_responses_fit(args.prompts, args.n, DEMO_MAX_NEW_TOKENS, "lower --prompts or --n")
-    out = Path(args.out).resolve()
-    if args.model and Path(args.model).resolve() in (out, *out.parents):
-        raise TailtamerError(f"--out {args.out} would write into --model {args.model}")
-    fresh_output_dir(args.out, "--out", ours=OUTPUT_FILES)
+    fresh_output_dir(args.out, "--out", ours=OUTPUT_FILES, inputs={"--model": args.model} if args.model else {})
     run_demo(out_dir=Path(args.out), n_prompts=args.prompts, n=args.n, seed=args.seed,
              model=Path(args.model) if args.model else None)
 
