@@ -330,15 +330,33 @@ def cmd_init_model(args) -> None:
     print(f"wrote a random {args.preset} {arch} ({cfg.num_parameters() / 1e6:.2f}M parameters) to {args.out}")
 
 
+# A task row's JSON line: 46 bytes on average, rounded up (to refuse an --n the disk cannot hold).
+TASK_ROW_BYTES = 64
+
+
 def cmd_task(args) -> None:
-    from tailtamer.atomic import atomic_write_text
+    import shutil
+
+    from tailtamer.atomic import atomic_write, writing
+    from tailtamer.memory import size
     from tailtamer.tasks.arithmetic import ArithmeticTask
 
     output_file(args.out, "--out")
-    rows = ArithmeticTask().dataset(at_least_one(args.n, "--n"), args.seed)
-    atomic_write_text(args.out, "".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n"
-                                        for r in rows))
-    print(f"wrote {len(rows)} built-in task prompts to {args.out}")
+    n = at_least_one(args.n, "--n")
+    directory = Path(os.path.realpath(args.out)).parent  # output_file made it
+    free = shutil.disk_usage(directory).free
+    if n * TASK_ROW_BYTES > free:
+        raise TailtamerError(f"--n {n}: about {size(n * TASK_ROW_BYTES)} of prompts, more than the {size(free)} free "
+                             f"in {directory}; lower --n")
+
+    def write(tmp: str) -> None:  # row by row: a large --n never sits in memory
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in ArithmeticTask().problems(n, args.seed):
+                f.write(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n")
+
+    with writing("the task prompts", args.out):
+        atomic_write(args.out, write)
+    print(f"wrote {n} built-in task prompts to {args.out}")
 
 
 def cmd_demo(args) -> None:

@@ -365,6 +365,11 @@ RESPONSE_TOKEN_BYTES = 96
 RESPONSE_BYTES = 1024
 
 
+# A built-in problem as a worker keeps it: a dict of its prompt's token ids (a list of ~15 small
+# ints) and its answer string; 364 bytes on average by tracemalloc, rounded up.
+BUILTIN_ROW_BYTES = 512
+
+
 def responses_bytes(requests: int, max_new_tokens: int) -> int:
     """Host memory `requests` responses of up to `max_new_tokens` tokens each may hold at the
     end of a `generate`, when all of them are kept to be written: requests × (RESPONSE_BYTES

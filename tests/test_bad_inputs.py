@@ -414,3 +414,33 @@ def test_a_reward_module_that_stops_on_import_is_a_startup_error(tmp_path, body)
     with pytest.raises(ConfigError, match="cannot (load|import)"):
         RewardScorer(f"{tmp_path / 'bad.py'}:f")
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_task_count_larger_than_the_disk_is_refused_before_writing(tmp_path, capsys):
+    out = tmp_path / "t.jsonl"
+    free = shutil.disk_usage(tmp_path).free
+    _one_line_error(capsys, "of prompts, more than the", main(["task", "--n", str(free), "--out", str(out)]))
+    assert not out.exists()
+    assert main(["task", "--n", "3", "--out", str(out)]) == 0  # written row by row, as `dataset` draws them
+    from tailtamer.tasks.arithmetic import ArithmeticTask
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows == [{"prompt": p["prompt"], "answer": p["answer"]} for p in ArithmeticTask().dataset(3, 0)]
+
+
+def test_more_built_in_problems_than_memory_holds_are_refused_before_drawing(toy, tmp_path, capsys):
+    from tailtamer.memory import BUILTIN_ROW_BYTES
+    from tailtamer.rl.data import check_builtin_fits
+    from tailtamer.rl.trainer import launch
+
+    builtin = [o for o in toy if not o.startswith("data.train=")]
+    cfg = load_train_config(None, builtin + ["data.n_builtin=100", "data.n_eval=20"])
+    check_builtin_fits(cfg, 120 * BUILTIN_ROW_BYTES)  # exactly fits: training and held-out problems
+    with pytest.raises(ConfigError, match=r"^data.n_builtin=100: .* more than the .* available; lower data.n_builtin$"):
+        check_builtin_fits(cfg, 120 * BUILTIN_ROW_BYTES - 1)
+    cfg = load_train_config(None, builtin + ["data.n_builtin=100", "data.n_eval=200"])
+    with pytest.raises(ConfigError, match="^data.n_eval=200: .*; lower data.n_eval$"):
+        check_builtin_fits(cfg, 120 * BUILTIN_ROW_BYTES)
+    check_builtin_fits(load_train_config(None, toy + ["data.n_builtin=100"]), 0)  # a file's rows: not drawn
+    with pytest.raises(ConfigError, match=f"^data.n_builtin={10 ** 13}: "):  # before hours of drawing problems
+        launch(load_train_config(None, builtin + [f"data.n_builtin={10 ** 13}", "run.workers=1"]))
+    assert not (tmp_path / "runs").exists()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tailtamer.errors import DataError
+from tailtamer.errors import ConfigError, DataError
 from tailtamer.jsonl import check_file, read_jsonl
 from tailtamer.model.tokenizer import Tokenizer
 from tailtamer.tasks.arithmetic import HELD_OUT_SEED, ArithmeticTask
@@ -220,6 +220,23 @@ def held_out_split(rows: list, k: int, seed: int) -> tuple[list, list]:
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
+def check_builtin_fits(cfg, available: int | None) -> None:
+    """The built-in problems a worker draws for a TrainConfig (data.n_builtin, and data.n_eval
+    held out when no data.eval is given) are refused before they are drawn when they could not
+    fit in the `available` bytes of this worker's share of memory (None: unknown, no check):
+    a mistyped count would otherwise draw problems for hours until the machine runs out."""
+    from tailtamer.memory import BUILTIN_ROW_BYTES, size
+
+    if cfg.data.train != "builtin" or available is None:
+        return
+    counts = {"data.n_builtin": cfg.data.n_builtin, "data.n_eval": cfg.data.n_eval if cfg.data.eval is None else 0}
+    need = sum(counts.values()) * BUILTIN_ROW_BYTES
+    if need > available:
+        field = max(counts, key=counts.get)
+        raise ConfigError(f"{field}={counts[field]}: the built-in problems would take about {size(need)} of this "
+                          f"worker's memory, more than the {size(available)} available; lower {field}")
+
+
 def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
     """(train rows, eval rows, prompts skipped as longer than `limit` tokens) for a
     TrainConfig's data section: the built-in task's problems, or the files'."""
@@ -228,8 +245,8 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
 
         def rows(problems):
             return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
-        train = rows(task.dataset(cfg.data.n_builtin, seed=cfg.run.seed + 17))
-        evals = rows(task.dataset(cfg.data.n_eval, seed=HELD_OUT_SEED)) if cfg.data.eval is None else None
+        train = rows(task.problems(cfg.data.n_builtin, seed=cfg.run.seed + 17))
+        evals = rows(task.problems(cfg.data.n_eval, seed=HELD_OUT_SEED)) if cfg.data.eval is None else None
         skipped = 0
     else:
         train, skipped = load_task_rows(cfg.data.train, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)

@@ -22,7 +22,7 @@ from tailtamer.model.drafter import load_drafter
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint
-from tailtamer.rl.data import PromptOrder, context_cut, datasets, held_out_count, read_rows
+from tailtamer.rl.data import PromptOrder, check_builtin_fits, context_cut, datasets, held_out_count, read_rows
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
 from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG, VLLM_LOG
@@ -121,6 +121,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     model_cfg = load_config(model_dir)
     check_tokenizer_fits(tokenizer, model_cfg, model_dir)
     context = model_cfg.max_position_embeddings
+    check_builtin_fits(cfg, machine_share(available_memory("cpu"), workers.world))
     train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, context), log)
     cut = context_cut(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", cfg.rollout.max_new_tokens, context,
                       max(len(r["prompt_ids"]) for r in train_rows + eval_rows), "as truncated")

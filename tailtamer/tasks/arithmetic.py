@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -87,9 +88,13 @@ class ArithmeticTask:
         lines.append(f"answer: {value}")
         return "\n".join(lines)
 
-    def dataset(self, n: int, seed: int) -> list[dict]:
+    def problems(self, n: int, seed: int) -> Iterator[dict]:
+        """`n` problems drawn from `seed`, one at a time (a large n need not fit in memory)."""
         rng = random.Random(seed)
-        return [self.sample(rng) for _ in range(n)]
+        return (self.sample(rng) for _ in range(n))
+
+    def dataset(self, n: int, seed: int) -> list[dict]:
+        return list(self.problems(n, seed))
 
 
 def extract_answer(response: str) -> str | None:
