@@ -406,7 +406,12 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
         data = {k: {} if v is None else v for k, v in data.items()}  # `run:` with every key commented out
     in_file = copy.deepcopy(data)
     for item in overrides:
-        apply_override(data, item)
+        try:
+            apply_override(data, item)
+        except ConfigError:  # an override into a file's broken section: the file's mistake is the one to name
+            if path is not None:
+                _train_config_of_file(path, in_file)
+            raise
     try:
         return _train_config(data)
     except ConfigError as e:
@@ -415,6 +420,14 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
         # a file that is fine
         blame = path is not None and (not overrides or _fails_alike(in_file, e))
         raise ConfigError(f"{path}: {e}" if blame else str(e)) from None
+
+
+def _train_config_of_file(path: Path, data: dict) -> None:
+    """Raise what `data`, the config file at `path` alone, gets wrong, naming the file."""
+    try:
+        _train_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def _fails_alike(data: dict, error: ConfigError) -> bool:

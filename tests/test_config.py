@@ -121,6 +121,12 @@ def test_a_bad_override_is_not_blamed_on_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"config.yaml: unknown config field\(s\) spec.histroy \(did you mean "
                                           r"spec.history\?\)"):
         load_train_config(good, ["spec.history=4"])
+    good.write_text("run: 5\n")  # an override into the file's broken section: the file is what to fix
+    with pytest.raises(ConfigError, match=r"config.yaml: run: expected a section \(mapping\), got 5$"):
+        load_train_config(good, ["run.steps=4"])
+    good.write_text("run:\n  steps: 3\n")  # the override's own mistake, in a good file
+    with pytest.raises(ConfigError, match=r"^override 'run.steps.x=4': steps is not a section$"):
+        load_train_config(good, ["run.steps.x=4"])
 
 
 def _leaves(cfg, where=""):

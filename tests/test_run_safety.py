@@ -189,7 +189,7 @@ def test_resume_after_a_torn_metrics_line(toy, tmp_path):
         f.write('{"step": 2, "reward_me')  # a kill in the middle of a write
     lines = []
     _train(toy, "run.steps=4", resume=run, log=lines.append)
-    assert any("dropped 1 unreadable line" in line for line in lines)
+    assert any("dropped its last line, unreadable (a run killed while writing" in line for line in lines)
     assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "whole"))
 
 
@@ -199,8 +199,14 @@ def test_a_corrupt_checkpoint_file_is_named_on_resume(toy, tmp_path, part):
     run = tmp_path / "runs" / "c"
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     (latest / part).write_bytes(b"\x00garbage{")
-    with pytest.raises(CheckpointError, match=f"{latest.name}.*(cannot|malformed|{part})"):
+    with pytest.raises(CheckpointError, match=f"{latest.name}.*(cannot|malformed|{part}).*; step-000001, the "
+                                              f"checkpoint before it, can be resumed from: write its name into "
+                                              f"{run / 'checkpoints' / 'latest'}$"):
         _train(toy, "run.steps=3", resume=run)
+    if part == "model.safetensors":  # the advice works
+        (run / "checkpoints" / "latest").write_text("step-000001\n")
+        _train(toy, "run.steps=3", resume=run)
+        assert [r["step"] for r in _rows(run)] == [1, 2, 3]
 
 
 def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_last_good_one(toy, tmp_path, monkeypatch):
@@ -586,6 +592,10 @@ def test_the_draft_history_is_saved_with_the_checkpoint_and_a_bad_one_is_named(t
     with pytest.raises(CheckpointError, match=f"{latest / 'draft_history.json'}: cannot read the draft history"):
         _train(toy, "run.steps=3", resume=run)
     (latest / "draft_history.json").rmdir()
+    (latest / "draft_history.json").symlink_to(tmp_path / "gone")  # a broken link: named, not taken for none
+    with pytest.raises(CheckpointError, match=f"{latest / 'draft_history.json'}: cannot read the draft history"):
+        _train(toy, "run.steps=3", resume=run)
+    (latest / "draft_history.json").unlink()
     (latest / "draft_history.json").write_text(saved)
     lines = []
     _train(toy, "run.steps=3", "spec.history_on_resume=fresh", resume=run, log=lines.append)
@@ -598,3 +608,49 @@ def test_the_draft_history_is_saved_with_the_checkpoint_and_a_bad_one_is_named(t
     lines = []
     _train(toy, "run.steps=4", resume=run, log=lines.append)
     assert not any("history_on_resume" in line or "holds no draft history" in line for line in lines), lines
+
+
+def test_lines_torn_mid_file_are_named_not_blamed_on_a_kill(tmp_path):
+    from tailtamer.rl.run_dir import keep_metrics_through
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\ngarbage\n{"step": 2}\n{"step": 3, "x\n')
+    lines = []
+    assert [r["step"] for r in keep_metrics_through(path, 2, lines.append)] == [1, 2]
+    assert lines == [f"{path}: dropped unreadable lines 2, 4 (edited by hand?)"]
+
+
+@pytest.mark.parametrize("name,make", [("samples.jsonl", "dir"), ("metrics.jsonl", "dir"), ("resumes.jsonl", "dir"),
+                                       ("drafter", "file"), ("summary.json", "dangling")])
+def test_a_resume_refuses_a_run_file_that_is_not_one_before_writing(toy, tmp_path, name, make):
+    """A directory where the run keeps a file (or the reverse) stopped a resume only after it had
+    rewritten config.yaml, recorded the resume and replaced a finished run's summary.json."""
+    _train(toy, "run.steps=2", "run.name=r")
+    run = tmp_path / "runs" / "r"
+    target = run / name
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink(missing_ok=True)
+    {"dir": target.mkdir, "file": lambda: target.write_text("x"),
+     "dangling": lambda: target.symlink_to(tmp_path / "gone")}[make]()
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=rf"--resume .*runs/r: {name} is .*, where the run keeps .*; move it away"):
+        _train(toy, "run.steps=4", resume=run)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
+def test_a_resume_that_fails_before_its_first_step_keeps_the_summary(toy, tmp_path, monkeypatch):
+    from tailtamer.rl import trainer
+
+    _train(toy, "run.steps=2", "run.name=s")
+    run = tmp_path / "runs" / "s"
+    summary = (run / "summary.json").read_text()
+    assert json.loads(summary)["finished"]
+
+    def broken(s):
+        raise TrainingError("the step failed")
+    monkeypatch.setattr(trainer, "rl_step", broken)
+    with pytest.raises(TrainingError, match="the step failed"):
+        _train(toy, "run.steps=4", resume=run)
+    assert (run / "summary.json").read_text() == summary

@@ -77,8 +77,16 @@ def latest_checkpoint(run_dir: Path) -> Path:
         raise CheckpointError(f"{pointer}: expected the name of a checkpoint of this run (step-NNNNNN), got {name[:40]!r}")
     path = run_dir / "checkpoints" / name
     if not (path / "state.json").is_file():
-        raise CheckpointError(f"{path}: checkpoint is incomplete (no state.json)")
+        raise CheckpointError(f"{path}: checkpoint is incomplete (no state.json){earlier_checkpoint_hint(path)}")
     return path
+
+
+def earlier_checkpoint_hint(path: Path) -> str:
+    """For a message about a damaged checkpoint: how to resume from the one saved before it
+    (checkpoints are kept by run.keep_checkpoints), or nothing when none was kept."""
+    earlier = sorted(p.name for p in path.parent.glob("step-*") if p.name < path.name and (p / "state.json").is_file())
+    return (f"; {earlier[-1]}, the checkpoint before it, can be resumed from: write its name into "
+            f"{path.parent / 'latest'}") if earlier else ""
 
 
 def checkpoint_step(path: Path) -> int:

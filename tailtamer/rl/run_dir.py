@@ -167,6 +167,26 @@ def claim_run_dir(cfg, resume: Path | None):
     raise ConfigError(f"run.out_dir {out}: no free run name left")
 
 
+# What a run keeps in its directory: files, and directories (the drafter's newest checkpoint,
+# the loggers' own). Something else at one of these names stops a resume before it writes.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "resumes.jsonl", "summary.json", REWARD_LOG, VLLM_LOG,
+             "wandb-id", "curves.png", "timeline.png", "drafter.png")
+RUN_DIRS = ("checkpoints", "drafter", "tensorboard", "wandb")
+
+
+def check_run_files(run_dir: Path) -> None:
+    """A run directory to resume holds its files as files and its directories as directories
+    (or not at all): a directory where metrics.jsonl belongs, say, is refused in one line before
+    the resume writes anything, rather than failing after it has rewritten config.yaml."""
+    for names, kind, ok in ((RUN_FILES, "a file", Path.is_file), (RUN_DIRS, "a directory", Path.is_dir)):
+        for name in names:
+            path = run_dir / name
+            if (path.exists() or path.is_symlink()) and not ok(path):
+                what = "a broken symlink" if not path.exists() else "a directory" if path.is_dir() else "not " + kind
+                raise ConfigError(f"--resume {run_dir}: {name} is {what}, where the run keeps {kind}; move it away "
+                                  f"to resume")
+
+
 # Settings a resumed run cannot change: where it lives and what it started from.
 FIXED_ON_RESUME = ("run.name", "run.out_dir", "run.model")
 
@@ -232,21 +252,24 @@ def keep_metrics_through(path: Path, step: int, log) -> list[dict]:
     only the last line can be)."""
     if not path.is_file():
         return []
-    rows, torn = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    rows, torn = [], []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            torn += 1
+            torn.append(number)
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             rows.append(row)
     if rows and rows[0]["step"] == 0:  # written before steps counted from 1: renumber
         rows = [{**r, "step": r["step"] + 1} for r in rows]
     rows = [r for r in rows if r["step"] <= step]
-    if torn:
-        log(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing leaves one)")
+    if torn == [len(lines)]:
+        log(f"{path}: dropped its last line, unreadable (a run killed while writing leaves one)")
+    elif torn:  # not tailtamer's doing: a row is written in one piece
+        log(f"{path}: dropped unreadable line{'s' * (len(torn) > 1)} {', '.join(map(str, torn))} (edited by hand?)")
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows

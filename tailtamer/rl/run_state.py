@@ -15,13 +15,13 @@ from tailtamer.config import TrainConfig
 from tailtamer.device import device_memory, resolve_device, train_device, train_dtype
 from tailtamer.dist import Workers
 from tailtamer.drafter.adaptive import AdaptiveDrafter, NoDrafter
-from tailtamer.errors import ConfigError
+from tailtamer.errors import CheckpointError, ConfigError
 from tailtamer.memory import available_memory, check_fits, estimate_for, format_estimate
 from tailtamer.metrics import check_loggers
 from tailtamer.model.drafter import load_drafter
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
-from tailtamer.rl.checkpoint import latest_checkpoint, load_checkpoint
+from tailtamer.rl.checkpoint import earlier_checkpoint_hint, latest_checkpoint, load_checkpoint
 from tailtamer.rl.data import PromptOrder, check_builtin_fits, context_cut, datasets, held_out_count, read_rows
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
@@ -172,8 +172,11 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     state = {"step": 0}
     if resume is not None:
         checkpoint = latest_checkpoint(run_dir)
-        model, optimizer, scheduler, state = load_checkpoint(checkpoint, make_opt, device=device,
-                                                             load_optimizer_state=sharding.load_optimizer_state)
+        try:
+            model, optimizer, scheduler, state = load_checkpoint(checkpoint, make_opt, device=device,
+                                                                 load_optimizer_state=sharding.load_optimizer_state)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}{earlier_checkpoint_hint(checkpoint)}") from None
         log(f"resuming {run_dir} from {checkpoint.name}")
     else:
         model = load_model(model_dir, device=device)  # float32: the master weights the rollout also runs
@@ -189,7 +192,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     if history is not None and resume is not None:
         if cfg.spec.history_on_resume == "fresh":
             log("spec.history_on_resume=fresh: the suffix drafts start without the checkpoint's history")
-        elif (checkpoint / HISTORY_FILE).exists():  # a directory there is refused by load, as a corrupt file
+        elif os.path.lexists(checkpoint / HISTORY_FILE):  # load refuses a directory or broken link, as a corrupt file
             history.load(checkpoint / HISTORY_FILE, workers.rank, workers.world)
         else:
             log(f"{checkpoint.name} holds no draft history: the suffix drafts start without one")

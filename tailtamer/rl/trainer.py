@@ -43,8 +43,8 @@ from tailtamer.rl import grpo
 from tailtamer.rl.batching import Samples, minibatch_of, rebalance, response_batch, update_plan
 from tailtamer.rl.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
 from tailtamer.rl.rewards import merge_failures
-from tailtamer.rl.run_dir import (claim_run_dir, keep_metrics_through, record_resume, resume_changes, resume_note,
-                                  run_settings)
+from tailtamer.rl.run_dir import (check_run_files, claim_run_dir, keep_metrics_through, record_resume, resume_changes,
+                                  resume_note, run_settings)
 from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, say_unread, setup, training_prompts
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics, worker_share
 from tailtamer.rollout.backend import RolloutBackendError
@@ -421,8 +421,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
 
 
 def _check_steps_left(cfg: TrainConfig, resume: Path | None) -> None:
-    """Before anything is loaded, written or spawned: a resume must have steps to go."""
+    """Before anything is loaded, written or spawned: a resume must have steps to go, and its
+    run's files must be files."""
     if resume is not None:
+        check_run_files(resume)
         done = checkpoint_step(latest_checkpoint(resume))
         if done >= cfg.run.steps:
             raise ConfigError(f"--resume {resume}: the run is at step {done} and run.steps is {cfg.run.steps}, so "
@@ -454,7 +456,7 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
         limit = prompt_limit(cfg, s.model.config.max_position_embeddings)
         log(f"skipped {s.skipped_prompts} prompts longer than {limit} tokens (data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens}, or the model's context less one token)")
-    t0 = time.perf_counter()
+    t0, first_step = time.perf_counter(), s.step
     out, reported, completed, hurry = None, set(), False, False
     with StopRequest(log) as stop:
         try:
@@ -517,7 +519,8 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
             except WriteError as e:  # raised after the error being reported, if any: said, not raised
                 log(str(e))
             s.scorer.close()
-            if w.is_main and not completed and s.history and not hurry:  # stopped or failed: its steps so far
+            # stopped or failed after a step: its steps so far (before one, the run's summary stands)
+            if w.is_main and not completed and s.step > first_step and not hurry:
                 try:
                     _summarize(s, w.world, time.perf_counter() - t0, finished=False)
                 except (Exception, KeyboardInterrupt) as e:  # what stopped the run is the error to report
