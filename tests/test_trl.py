@@ -128,6 +128,35 @@ def test_bad_settings_are_one_line(model_dir, tmp_path, monkeypatch, kwargs, con
     assert isinstance(e.value, (ConfigError, TailtamerError))
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"bs_threshold": "64"}, "bs_threshold='64': give a whole number >= 0 or None"),
+    ({"bs_threshold": 2.5}, "bs_threshold=2.5: give a whole number"),
+    ({"bs_threshold": True}, "bs_threshold=True: give a whole number"),
+    ({"max_batch_size": "512"}, "max_batch_size='512': give a whole number >= 1"),
+    ({"max_batch_size": 0}, "max_batch_size=0: give a whole number >= 1"),
+    ({"drafter": 5}, "drafter=5: give a drafter directory, 'suffix' or None"),
+    ({"drafter": "ngram"}, "ngram is vLLM's prompt lookup"),
+    ({"spot": {"train": False}}, "spot={'train': False}: give a tailtamer.drafter.spot.SpotConfig"),
+    ({"spot": None}, "spot=None: give a tailtamer.drafter.spot.SpotConfig"),
+    ({"spec": "fast"}, "spec='fast': off, on"),
+    ({"spec": "adaptive", "strategy": "s8_2_9"}, "strategy='s8_2_9' applies to spec='on'; spec='adaptive' would not"),
+    ({"spec": "on", "strategies": ["s4_1_5"]}, "strategies=\\['s4_1_5'\\] applies to spec='adaptive'"),
+    ({"spec": "off", "bs_threshold": 3}, "bs_threshold=3 applies to spec='adaptive'; spec='off' would not read it"),
+])
+def test_bad_arguments_are_refused_at_construction_naming_them(kwargs, message):
+    """Not at the first rollout inside trainer.train(), as a TypeError or a field the user never set."""
+    with pytest.raises(ConfigError, match=message) as e:
+        TLTRollout(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_a_call_that_is_not_trls_is_one_line():
+    rollout = TLTRollout(spec="off", drafter=None)
+    for prompts, trainer in (([], None), ("a prompt", None), (["a prompt"], None)):
+        with pytest.raises(ConfigError, match="is called by TRL's GRPOTrainer with a non-empty list of prompts"):
+            rollout(prompts, trainer)
+
+
 def test_suffix_drafts_on_vllm_are_refused_for_what_they_are(monkeypatch):
     """Not for vLLM's default arms (EAGLE chains), which the user never wrote, as before."""
     import tailtamer.integrations.trl as trl

@@ -53,7 +53,7 @@ from tailtamer.model.transformer import join_fused
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams, target_probs
 from tailtamer.rollout.speculative import Strategy
-from tailtamer.rollout.speculator import SpecConfig, make_speculator
+from tailtamer.rollout.speculator import SpecConfig, check_engine_drafter, make_speculator
 from tailtamer.rollout.vllm_backend import (VLLMBackend, VLLMConfig, bias_free, check_strategies, require_vllm,
                                             vllm_arms)
 
@@ -63,6 +63,34 @@ PROBE_TOL = 1e-4  # the largest difference of the two models' probe logits, rela
 
 class StalePolicy(TailtamerError):
     """The engine's model is not the trainer's current policy."""
+
+
+def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot) -> None:
+    """TLTRollout's arguments, each refused at construction in one line naming it (the configs
+    they fill check their values; these are the types, and what the chosen `spec` would not
+    read, as `tailtamer generate` refuses its flags)."""
+    if backend not in ("tailtamer", "vllm"):
+        raise ConfigError(f"TLTRollout backend={backend!r}: tailtamer (our engine) or vllm")
+    if spec not in ("off", "on", "adaptive"):
+        raise ConfigError(f"TLTRollout spec={spec!r}: off, on (SD at every step) or adaptive (SD in the long tail)")
+    if drafter == "builtin":
+        raise ConfigError("TLTRollout drafter='builtin' is the built-in base model's drafter, not one for a TRL "
+                          "model: give a drafter directory (tailtamer drafter train --model DIR), 'suffix' or None")
+    if drafter is not None and not isinstance(drafter, (str, Path)):
+        raise ConfigError(f"TLTRollout drafter={drafter!r}: give a drafter directory, 'suffix' or None")
+    for name, value, least in (("max_batch_size", max_batch_size, 1), ("bs_threshold", bs_threshold, 0)):
+        if (value is not None or name == "max_batch_size") and (type(value) is not int or value < least):
+            raise ConfigError(f"TLTRollout {name}={value!r}: give a whole number >= {least}"
+                              + (" or None (the device's default)" if name == "bs_threshold" else ""))
+    if not isinstance(spot, SpotConfig):
+        raise ConfigError(f"TLTRollout spot={spot!r}: give a tailtamer.drafter.spot.SpotConfig, e.g. "
+                          f"SpotConfig(train=False)")
+    unread = {"strategy": (strategy, ("on",)), "strategies": (strategies, ("adaptive",)),
+              "bs_threshold": (bs_threshold, ("adaptive",))}
+    for name, (value, modes) in unread.items():
+        if value is not None and spec not in modes:
+            raise ConfigError(f"TLTRollout {name}={value!r} applies to spec={' or '.join(map(repr, modes))}; "
+                              f"spec={spec!r} would not read it")
 
 
 class TLTRollout:
@@ -77,11 +105,8 @@ class TLTRollout:
                  strategies: tuple[str, ...] | None = None, bs_threshold: int | None = None,
                  max_batch_size: int = 512, backend: str = "tailtamer", spot: SpotConfig = SpotConfig()):
         check_trl()
-        if backend not in ("tailtamer", "vllm"):
-            raise ConfigError(f"TLTRollout backend={backend!r}: tailtamer (our engine) or vllm")
-        if drafter == "builtin":
-            raise ConfigError("TLTRollout drafter='builtin' is the built-in base model's drafter, not one for a TRL "
-                              "model: give a drafter directory (tailtamer drafter train --model DIR), 'suffix' or None")
+        check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot)
+        drafter = str(drafter) if isinstance(drafter, Path) else drafter
         vllm = backend == "vllm"
         if vllm:  # where it is installed; its arms are chains (unset: vLLM's defaults)
             require_vllm("TLTRollout backend='vllm'")
@@ -92,6 +117,8 @@ class TLTRollout:
                                bs_threshold=bs_threshold)
         if vllm:
             check_strategies(self.spec)
+        else:
+            check_engine_drafter(self.spec)
         self.backend, self.max_batch_size, self.spot = backend, max_batch_size, spot
         self.engine: Engine | VLLMBackend | None = None
         self.model = None  # our Transformer, holding the trainer's weights
@@ -102,6 +129,9 @@ class TLTRollout:
     # --- the call TRL makes -------------------------------------------------------------------
 
     def __call__(self, prompts: list, trainer) -> dict:
+        if not isinstance(prompts, list) or not prompts or not hasattr(trainer, "accelerator"):
+            raise ConfigError(f"TLTRollout is called by TRL's GRPOTrainer with a non-empty list of prompts and the "
+                              f"trainer, got {type(prompts).__name__} and {type(trainer).__name__}")
         policy = trainer.accelerator.unwrap_model(trainer.model)
         if self.engine is None:
             self.engine = self._build(policy, trainer)
