@@ -79,6 +79,8 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
         return [f"run.steps={steps}", f"run.name={name}-{r}", f"run.out_dir={out_dir}", "run.eval_every=0",
                 "run.save_every=0", *overrides, *ARMS[name]]
 
+    for run in (Path(out_dir) / f"{name}-{r}" for r in range(repeats) for name in ARMS):  # before minutes of work
+        check_replaceable(run)
     # once, here: the base model's SFT and the drafter's warm-up on a first run (cached; minutes,
     # said on stderr as `make demo` says it), and a bad --set refused in one line before anything starts
     for name in ARMS:
@@ -94,6 +96,20 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
             metrics = Path(out_dir) / f"{name}-{r}" / "metrics.jsonl"
             rows[name].append([json.loads(line) for line in metrics.read_text().splitlines()])
     return train_report(rows, steps, repeats, overrides, out_dir)
+
+
+def check_replaceable(run: Path) -> None:
+    """bench train replaces its earlier runs (`sd-N`, `off-N` in its directory), and nothing
+    else: a directory there holding anything but a run's own files is refused in one line."""
+    from tailtamer.rl.run_dir import RUN_DIRS, RUN_FILES
+
+    if not run.exists() and not run.is_symlink():
+        return
+    foreign = sorted(p.name for p in run.iterdir() if p.name not in {*RUN_FILES, *RUN_DIRS, ".lock"}) \
+        if run.is_dir() and not run.is_symlink() else [run.name]
+    if foreign:
+        raise TailtamerError(f"{run}: bench train replaces its earlier runs there, but it holds {', '.join(foreign[:3])}"
+                             f"{' ...' * (len(foreign) > 3)}, not a run's files; move them away")
 
 
 def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> list[float]:

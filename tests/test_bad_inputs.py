@@ -444,3 +444,14 @@ def test_more_built_in_problems_than_memory_holds_are_refused_before_drawing(toy
     with pytest.raises(ConfigError, match=f"^data.n_builtin={10 ** 13}: "):  # before hours of drawing problems
         launch(load_train_config(None, builtin + [f"data.n_builtin={10 ** 13}", "run.workers=1"]))
     assert not (tmp_path / "runs").exists()
+
+
+def test_bench_train_replaces_its_own_runs_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "runs" / "bench-train" / "off-1"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    code = main(["bench", "train", "--steps", "1", "--repeats", "2"])
+    _one_line_error(capsys, "off-1: bench train replaces its earlier runs there, but it holds notes.txt, not a "
+                            "run's files; move them away", code)
+    assert (mine / "notes.txt").read_text() == "mine"
