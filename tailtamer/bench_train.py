@@ -105,8 +105,13 @@ def check_replaceable(run: Path) -> None:
 
     if not run.exists() and not run.is_symlink():
         return
-    foreign = sorted(p.name for p in run.iterdir() if p.name not in {*RUN_FILES, *RUN_DIRS, ".lock"}) \
-        if run.is_dir() and not run.is_symlink() else [run.name]
+    if run.is_symlink() or not run.is_dir():
+        raise TailtamerError(f"{run}: bench train replaces its earlier runs there, but this is "
+                             f"{'a symlink' if run.is_symlink() else 'a file'}, not a run directory; move it away")
+    ours = {*RUN_FILES, *RUN_DIRS, ".lock"}
+    # with what a killed write of one of them leaves: a hidden temporary .NAME.XXXX(.tmp) (tailtamer.atomic)
+    foreign = sorted(p.name for p in run.iterdir()
+                     if p.name not in ours and not any(p.name.startswith(f".{name}.") for name in ours))
     if foreign:
         raise TailtamerError(f"{run}: bench train replaces its earlier runs there, but it holds {', '.join(foreign[:3])}"
                              f"{' ...' * (len(foreign) > 3)}, not a run's files; move them away")

@@ -408,9 +408,10 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
     for item in overrides:
         try:
             apply_override(data, item)
-        except ConfigError:  # an override into a file's broken section: the file's mistake is the one to name
-            if path is not None:
-                _train_config_of_file(path, in_file)
+        except ConfigError:  # an override into a section the file broke: the file is what to fix
+            error = _file_error(in_file) if path is not None and _into_broken_section(in_file, item) else None
+            if error is not None:
+                raise ConfigError(f"{path}: {error}") from None
             raise
     try:
         return _train_config(data)
@@ -418,24 +419,26 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = (),
         # the file is named only for what it gets wrong by itself: blamed for a bad value given on
         # the command line (to a resumed run's config.yaml, say), it would send the user to edit
         # a file that is fine
-        blame = path is not None and (not overrides or _fails_alike(in_file, e))
+        blame = path is not None and (not overrides or str(_file_error(in_file)) == str(e))
         raise ConfigError(f"{path}: {e}" if blame else str(e)) from None
 
 
-def _train_config_of_file(path: Path, data: dict) -> None:
-    """Raise what `data`, the config file at `path` alone, gets wrong, naming the file."""
+def _file_error(data: dict) -> ConfigError | None:
+    """What `data`, a config file alone, gets wrong (None: nothing)."""
     try:
         _train_config(data)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        return e
+    return None
 
 
-def _fails_alike(data: dict, error: ConfigError) -> bool:
-    """Whether `data` (the config file alone) fails with `error`'s message."""
-    try:
-        _train_config(data)
-    except ConfigError as e:
-        return str(e) == str(error)
+def _into_broken_section(data: dict, item: str) -> bool:
+    """Whether override `item` (KEY=VALUE) goes through a section that `data` holds as no mapping."""
+    node = data
+    for part in item.split("=", 1)[0].strip().split(".")[:-1]:
+        node = node.get(part, {})
+        if not isinstance(node, dict):
+            return True
     return False
 
 

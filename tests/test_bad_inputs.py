@@ -372,16 +372,22 @@ def test_a_run_that_fails_in_its_first_step_leaves_no_directory(toy, tmp_path):
     train(load_train_config(None, toy + ["run.name=dead", "run.steps=1"]), log=lambda _: None)  # the name is free
 
 
+HINT = r"; step-000001, a complete checkpoint, can be resumed from: write its name into .*checkpoints/latest$"
+
+
 @pytest.mark.parametrize("latest,state,message", [
-    (b"\xff\xfe", None, "expected the name of a checkpoint of this run"),
-    (b"../../other/checkpoints/step-000002", None, "expected the name of a checkpoint of this run"),
+    (b"\xff\xfe", None, "expected the name of a checkpoint of this run.*" + HINT),
+    (b"../../other/checkpoints/step-000002", None, "expected the name of a checkpoint of this run.*" + HINT),
+    (b"", None, r"no checkpoint to resume from \(checkpoints/latest is missing\)" + HINT),
     (None, {"step": "2"}, "step must be an integer >= 0"),
     (None, {"step": -3}, "step must be an integer >= 0"),
 ])
 def test_tampered_checkpoints_are_refused_on_resume(toy, tmp_path, latest, state, message):
     train(load_train_config(None, toy + ["run.name=t", "run.steps=1"]), log=lambda _: None)
     run = tmp_path / "runs" / "t"
-    if latest is not None:
+    if latest == b"":
+        (run / "checkpoints" / "latest").unlink()
+    elif latest is not None:
         (run / "checkpoints" / "latest").write_bytes(latest)
     if state is not None:
         (run / "checkpoints" / "step-000001" / "state.json").write_text(json.dumps(state))
@@ -455,3 +461,24 @@ def test_bench_train_replaces_its_own_runs_only(tmp_path, monkeypatch, capsys):
     _one_line_error(capsys, "off-1: bench train replaces its earlier runs there, but it holds notes.txt, not a "
                             "run's files; move them away", code)
     assert (mine / "notes.txt").read_text() == "mine"
+    (mine / "notes.txt").unlink()
+    mine.rmdir()
+    mine.write_text("mine")
+    _one_line_error(capsys, "off-1: bench train replaces its earlier runs there, but this is a file, not a run "
+                            "directory", main(["bench", "train", "--steps", "1", "--repeats", "2"]))
+
+
+def test_bench_train_takes_an_earlier_run_of_its_own_as_replaceable(tmp_path):
+    from tailtamer.bench_train import check_replaceable
+    from tailtamer.rl.run_dir import RUN_DIRS, RUN_FILES
+
+    run = tmp_path / "sd-0"
+    run.mkdir()
+    for name in (*RUN_FILES, ".lock", ".summary.json.k3j2_x.tmp"):  # the last: a write a kill left behind
+        (run / name).write_text("x")
+    for name in (*RUN_DIRS, ".drafter.a8f1"):
+        (run / name).mkdir()
+    check_replaceable(run)
+    (run / ".notes.txt.a1.tmp").write_text("x")  # a temporary of no file of a run's
+    with pytest.raises(TailtamerError, match=r"holds \.notes\.txt\.a1\.tmp, not a run's files"):
+        check_replaceable(run)

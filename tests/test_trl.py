@@ -139,15 +139,27 @@ def test_bad_settings_are_one_line(model_dir, tmp_path, monkeypatch, kwargs, con
     ({"spot": {"train": False}}, "spot={'train': False}: give a tailtamer.drafter.spot.SpotConfig"),
     ({"spot": None}, "spot=None: give a tailtamer.drafter.spot.SpotConfig"),
     ({"spec": "fast"}, "spec='fast': off, on"),
-    ({"spec": "adaptive", "strategy": "s8_2_9"}, "strategy='s8_2_9' applies to spec='on'; spec='adaptive' would not"),
-    ({"spec": "on", "strategies": ["s4_1_5"]}, "strategies=\\['s4_1_5'\\] applies to spec='adaptive'"),
-    ({"spec": "off", "bs_threshold": 3}, "bs_threshold=3 applies to spec='adaptive'; spec='off' would not read it"),
+    ({"spec": "adaptive", "strategy": "s8_2_9"}, "spec.strategy=s8_2_9 is not read: spec.mode=adaptive"),
+    ({"spec": "on", "strategies": ["s4_1_5"]}, "spec.strategies=\\[s4_1_5\\] is not read: spec.mode=on"),
+    ({"spec": "off", "strategy": "4_1_5"}, "spec.strategy=4_1_5 is not read: spec.mode=off"),
+    ({"spec": "off", "bs_threshold": 3}, "bs_threshold=3 is the long-tail switch of spec='adaptive'; spec='off'"),
+    ({"spec": "off", "drafter": "/a/drafter"}, "drafter='/a/drafter' is not used with spec='off'"),
+    ({"strategies": "s4_1_5"}, "strategies='s4_1_5': give a list of strategy names"),
+    ({"strategy": 5}, "strategy=5: give one strategy's name"),
 ])
 def test_bad_arguments_are_refused_at_construction_naming_them(kwargs, message):
     """Not at the first rollout inside trainer.train(), as a TypeError or a field the user never set."""
     with pytest.raises(ConfigError, match=message) as e:
         TLTRollout(**kwargs)
     assert "\n" not in str(e.value)
+
+
+def test_whole_numbers_of_other_integer_types_are_taken():
+    import numpy as np
+
+    rollout = TLTRollout(spec="adaptive", bs_threshold=np.int32(8), max_batch_size=np.int64(256))
+    assert (rollout.spec.bs_threshold, rollout.max_batch_size) == (8, 256)
+    assert type(rollout.spec.bs_threshold) is int and type(rollout.max_batch_size) is int
 
 
 def test_a_call_that_is_not_trls_is_one_line():

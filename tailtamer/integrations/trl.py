@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import numbers
 import shutil
 import tempfile
 import time
@@ -66,9 +67,9 @@ class StalePolicy(TailtamerError):
 
 
 def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot) -> None:
-    """TLTRollout's arguments, each refused at construction in one line naming it (the configs
-    they fill check their values; these are the types, and what the chosen `spec` would not
-    read, as `tailtamer generate` refuses its flags)."""
+    """TLTRollout's arguments, each refused at construction in one line naming it: the values
+    SpecConfig does not check itself, and a drafter or switch the chosen `spec` would not use
+    (as `tailtamer generate` refuses its flags; the strategies it does not read, `SpecConfig.unread`)."""
     if backend not in ("tailtamer", "vllm"):
         raise ConfigError(f"TLTRollout backend={backend!r}: tailtamer (our engine) or vllm")
     if spec not in ("off", "on", "adaptive"):
@@ -78,19 +79,25 @@ def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch
                           "model: give a drafter directory (tailtamer drafter train --model DIR), 'suffix' or None")
     if drafter is not None and not isinstance(drafter, (str, Path)):
         raise ConfigError(f"TLTRollout drafter={drafter!r}: give a drafter directory, 'suffix' or None")
+    if spec == "off" and drafter not in (None, "suffix"):  # "suffix" is the default
+        raise ConfigError(f"TLTRollout drafter={str(drafter)!r} is not used with spec='off', which decodes without "
+                          f"speculation")
+    if strategy is not None and not isinstance(strategy, str):
+        raise ConfigError(f"TLTRollout strategy={strategy!r}: give one strategy's name, e.g. '4_1_5'")
+    if strategies is not None and (isinstance(strategies, str) or not all(isinstance(x, str) for x in strategies)):
+        raise ConfigError(f"TLTRollout strategies={strategies!r}: give a list of strategy names, e.g. ['7_1_8', "
+                          f"'4_1_5']")
     for name, value, least in (("max_batch_size", max_batch_size, 1), ("bs_threshold", bs_threshold, 0)):
-        if (value is not None or name == "max_batch_size") and (type(value) is not int or value < least):
+        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        if (value is not None or name == "max_batch_size") and not (whole and value >= least):
             raise ConfigError(f"TLTRollout {name}={value!r}: give a whole number >= {least}"
                               + (" or None (the device's default)" if name == "bs_threshold" else ""))
+    if bs_threshold is not None and spec != "adaptive":
+        raise ConfigError(f"TLTRollout bs_threshold={bs_threshold!r} is the long-tail switch of spec='adaptive'; "
+                          f"spec={spec!r} would not read it")
     if not isinstance(spot, SpotConfig):
         raise ConfigError(f"TLTRollout spot={spot!r}: give a tailtamer.drafter.spot.SpotConfig, e.g. "
                           f"SpotConfig(train=False)")
-    unread = {"strategy": (strategy, ("on",)), "strategies": (strategies, ("adaptive",)),
-              "bs_threshold": (bs_threshold, ("adaptive",))}
-    for name, (value, modes) in unread.items():
-        if value is not None and spec not in modes:
-            raise ConfigError(f"TLTRollout {name}={value!r} applies to spec={' or '.join(map(repr, modes))}; "
-                              f"spec={spec!r} would not read it")
 
 
 class TLTRollout:
@@ -107,19 +114,22 @@ class TLTRollout:
         check_trl()
         check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot)
         drafter = str(drafter) if isinstance(drafter, Path) else drafter
-        vllm = backend == "vllm"
+        vllm, unset = backend == "vllm", {}
         if vllm:  # where it is installed; its arms are chains (unset: vLLM's defaults)
             require_vllm("TLTRollout backend='vllm'")
             unset = vllm_arms(drafter)
             strategy, strategies = strategy or unset.get("strategy"), strategies or unset.get("strategies")
         self.spec = SpecConfig(mode=spec, drafter=drafter if spec != "off" else None, strategy=strategy,
                                strategies=tuple(strategies) if strategies is not None else None,
-                               bs_threshold=bs_threshold)
+                               bs_threshold=None if bs_threshold is None else int(bs_threshold))
+        unread = self.spec.unread(unset)
+        if unread:
+            raise ConfigError(f"TLTRollout: {unread[0]}")
         if vllm:
             check_strategies(self.spec)
         else:
             check_engine_drafter(self.spec)
-        self.backend, self.max_batch_size, self.spot = backend, max_batch_size, spot
+        self.backend, self.max_batch_size, self.spot = backend, int(max_batch_size), spot
         self.engine: Engine | VLLMBackend | None = None
         self.model = None  # our Transformer, holding the trainer's weights
         self.adaptive: AdaptiveDrafter | None = None

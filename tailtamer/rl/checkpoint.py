@@ -70,23 +70,30 @@ def latest_checkpoint(run_dir: Path) -> Path:
     pointer = run_dir / "checkpoints" / "latest"
     if not has_checkpoint(run_dir):
         anew = f"; it stopped in its first step: start it anew with `tailtamer train {run_dir / 'config.yaml'}`, " \
-            "which reuses the directory" if unstarted_run(run_dir) else ""
+            "which reuses the directory" if unstarted_run(run_dir) else resumable_hint(pointer.parent)
         raise CheckpointError(f"{run_dir}: no checkpoint to resume from (checkpoints/latest is missing){anew}")
     name = pointer.read_bytes().decode("utf-8", errors="replace").strip()
     if not re.fullmatch(r"step-\d{6,}", name):
-        raise CheckpointError(f"{pointer}: expected the name of a checkpoint of this run (step-NNNNNN), got {name[:40]!r}")
+        raise CheckpointError(f"{pointer}: expected the name of a checkpoint of this run (step-NNNNNN), got "
+                              f"{name[:40]!r}{resumable_hint(pointer.parent)}")
     path = run_dir / "checkpoints" / name
     if not (path / "state.json").is_file():
         raise CheckpointError(f"{path}: checkpoint is incomplete (no state.json){earlier_checkpoint_hint(path)}")
     return path
 
 
+def resumable_hint(checkpoints: Path, before: str | None = None) -> str:
+    """For a message about a damaged or missing checkpoint: how to resume from the newest
+    complete one kept (below `before`, a checkpoint's name), or nothing when none is."""
+    kept = sorted(p.name for p in checkpoints.glob("step-*") if (p / "state.json").is_file()
+                  and re.fullmatch(r"step-\d{6,}", p.name) and (before is None or p.name < before))
+    which = "the checkpoint before it" if before else "a complete checkpoint"
+    return f"; {kept[-1]}, {which}, can be resumed from: write its name into {checkpoints / 'latest'}" if kept else ""
+
+
 def earlier_checkpoint_hint(path: Path) -> str:
-    """For a message about a damaged checkpoint: how to resume from the one saved before it
-    (checkpoints are kept by run.keep_checkpoints), or nothing when none was kept."""
-    earlier = sorted(p.name for p in path.parent.glob("step-*") if p.name < path.name and (p / "state.json").is_file())
-    return (f"; {earlier[-1]}, the checkpoint before it, can be resumed from: write its name into "
-            f"{path.parent / 'latest'}") if earlier else ""
+    """`resumable_hint` for the checkpoint at `path` that cannot be read."""
+    return resumable_hint(path.parent, path.name)
 
 
 def checkpoint_step(path: Path) -> int:

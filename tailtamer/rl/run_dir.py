@@ -182,7 +182,8 @@ def check_run_files(run_dir: Path) -> None:
         for name in names:
             path = run_dir / name
             if (path.exists() or path.is_symlink()) and not ok(path):
-                what = "a broken symlink" if not path.exists() else "a directory" if path.is_dir() else "not " + kind
+                what = ("a broken symlink" if not path.exists() else "a directory" if path.is_dir() else
+                        "a file" if path.is_file() else "not " + kind)
                 raise ConfigError(f"--resume {run_dir}: {name} is {what}, where the run keeps {kind}; move it away "
                                   f"to resume")
 

@@ -21,11 +21,11 @@ from tailtamer.metrics import check_loggers
 from tailtamer.model.drafter import load_drafter
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
-from tailtamer.rl.checkpoint import earlier_checkpoint_hint, latest_checkpoint, load_checkpoint
+from tailtamer.rl.checkpoint import checkpoint_step, earlier_checkpoint_hint, latest_checkpoint, load_checkpoint
 from tailtamer.rl.data import PromptOrder, check_builtin_fits, context_cut, datasets, held_out_count, read_rows
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
-from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG, VLLM_LOG
+from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG, VLLM_LOG, check_run_files
 from tailtamer.rl.sharding import SHARDINGS, Replicated
 from tailtamer.rollout.backend import EmbeddedBackend
 from tailtamer.rollout.draft_history import FILE as HISTORY_FILE, DraftHistory
@@ -81,6 +81,19 @@ def training_prompts(cfg: TrainConfig) -> int:
     return min(cfg.rollout.prompts_per_step, rows)
 
 
+def check_startable(cfg: TrainConfig, resume: Path | None, world: int) -> None:
+    """Before anything is loaded, written or spawned (a first run's base model takes minutes):
+    a resume must have steps to go and its run's files must be files, and the built-in
+    problems must fit in each of `world` workers' share of memory."""
+    if resume is not None:
+        check_run_files(resume)
+        done = checkpoint_step(latest_checkpoint(resume))
+        if done >= cfg.run.steps:
+            raise ConfigError(f"--resume {resume}: the run is at step {done} and run.steps is {cfg.run.steps}, so "
+                              f"there is nothing to train; give run.steps={done + 1} or more to go on")
+    check_builtin_fits(cfg, machine_share(available_memory("cpu"), world))
+
+
 def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
     """Resolve the built-ins into paths, once, before workers load anything: the base model
     (trained by `tailtamer sft` on first use) and its warm-up drafter."""
@@ -121,7 +134,6 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
     model_cfg = load_config(model_dir)
     check_tokenizer_fits(tokenizer, model_cfg, model_dir)
     context = model_cfg.max_position_embeddings
-    check_builtin_fits(cfg, machine_share(available_memory("cpu"), workers.world))
     train_rows, eval_rows, skipped = datasets(cfg, tokenizer, prompt_limit(cfg, context), log)
     cut = context_cut(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", cfg.rollout.max_new_tokens, context,
                       max(len(r["prompt_ids"]) for r in train_rows + eval_rows), "as truncated")

@@ -41,11 +41,12 @@ from tailtamer.pace import NoPace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
 from tailtamer.rl.batching import Samples, minibatch_of, rebalance, response_batch, update_plan
-from tailtamer.rl.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
+from tailtamer.rl.checkpoint import save_checkpoint
 from tailtamer.rl.rewards import merge_failures
-from tailtamer.rl.run_dir import (check_run_files, claim_run_dir, keep_metrics_through, record_resume, resume_changes,
-                                  resume_note, run_settings)
-from tailtamer.rl.run_state import RunState, prepare, prompt_limit, run_dir_of, say_unread, setup, training_prompts
+from tailtamer.rl.run_dir import (claim_run_dir, keep_metrics_through, record_resume, resume_changes, resume_note,
+                                  run_settings)
+from tailtamer.rl.run_state import (RunState, check_startable, prepare, prompt_limit, run_dir_of, say_unread, setup,
+                                    training_prompts)
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics, worker_share
 from tailtamer.rollout.backend import RolloutBackendError
 from tailtamer.rollout.draft_history import FILE as HISTORY_FILE, save_histories
@@ -411,6 +412,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
     if w.is_main and not claimed:
         cfg, lock = claim_run_dir(cfg, resume)
     try:
+        check_startable(cfg, resume, w.world)
         if not claimed:  # else the launcher said it
             say_unread(cfg, log)
         cfg = w.share(lambda: prepare(cfg, log))
@@ -420,19 +422,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, log=print, console=print
             lock.release(remove_if_unused=True)
 
 
-def _check_steps_left(cfg: TrainConfig, resume: Path | None) -> None:
-    """Before anything is loaded, written or spawned: a resume must have steps to go, and its
-    run's files must be files."""
-    if resume is not None:
-        check_run_files(resume)
-        done = checkpoint_step(latest_checkpoint(resume))
-        if done >= cfg.run.steps:
-            raise ConfigError(f"--resume {resume}: the run is at step {done} and run.steps is {cfg.run.steps}, so "
-                              f"there is nothing to train; give run.steps={done + 1} or more to go on")
-
-
 def _train(cfg: TrainConfig, resume: Path | None, log, console, w: Workers, pace: NoPace) -> dict | None:
-    _check_steps_left(cfg, resume)
     changes = resume_changes(resume, to_dict(cfg)) if resume is not None and w.is_main else {}
     s = setup(cfg, resume, log, w)
     try:
@@ -456,6 +446,8 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
         limit = prompt_limit(cfg, s.model.config.max_position_embeddings)
         log(f"skipped {s.skipped_prompts} prompts longer than {limit} tokens (data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens}, or the model's context less one token)")
+    # a failure before this process's first step keeps the run's summary.json (which may count
+    # steps after the checkpoint that the resume drops from metrics.jsonl)
     t0, first_step = time.perf_counter(), s.step
     out, reported, completed, hurry = None, set(), False, False
     with StopRequest(log) as stop:
@@ -579,7 +571,7 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print, pace: No
     # the cores, and a first run's base-model SFT and drafter warm-up would take ~1.6x as long.
     cfg, lock = claim_run_dir(cfg, resume)
     try:
-        _check_steps_left(cfg, resume)
+        check_startable(cfg, resume, world)
         say_unread(cfg, print)
         cfg = prepare(cfg)
         if cfg.run.workers == 0:  # automatic: no more workers than a step has prompts to shard
