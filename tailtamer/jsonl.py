@@ -12,7 +12,8 @@ def check_file(path: Path) -> None:
     if path.is_dir():
         raise DataError(f"{path}: is a directory; give the JSONL or parquet file in it")
     if not path.is_file():
-        raise DataError(f"{path}: file not found")
+        raise DataError(f"{path}: " + ("not a regular file (a pipe or device); give the file itself" if path.exists()
+                                       else "file not found"))
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -33,6 +34,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             except RecursionError:
                 raise DataError(f"{path}:{lineno}: JSON nested too deeply") from None
+            except ValueError as e:  # Python's cap on a number's digits (4300), which json meets first
+                raise DataError(f"{path}:{lineno}: a number Python will not read ({e})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             row["_row"] = lineno

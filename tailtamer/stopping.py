@@ -25,14 +25,17 @@ class StopRequest:
     ending the process. A second SIGINT raises KeyboardInterrupt: stop at once. SIGTERM never
     escalates: sent to a whole process group it reaches a worker twice (directly and passed on
     by the launcher), and the schedulers that send it follow with SIGKILL when they stop
-    waiting. `on_term` runs on each SIGTERM (the launcher passes it on to its workers). Only
-    the main thread can own signal handlers: elsewhere it is inert."""
+    waiting. `on_term` runs on each SIGTERM and on the first SIGINT: the launcher passes a stop
+    on to its workers as SIGTERM, so a Ctrl-C sent to the launcher alone (`kill -INT PID`)
+    stops them too, and one sent to the whole group (a terminal's) is still one Ctrl-C in each
+    worker. Only the main thread can own signal handlers: elsewhere it is inert."""
 
     def __init__(self, log=None, on_term: Callable[[], None] | None = None):
         self.requested = False
         self.reason: str | None = None
         self.log = log
         self.on_term = on_term
+        self._sigints = 0
         self._previous: dict = {}
 
     def __enter__(self) -> "StopRequest":
@@ -41,11 +44,12 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if signum == signal.SIGTERM and self.on_term is not None:
+        self._sigints += signum == signal.SIGINT
+        if self.on_term is not None and (signum == signal.SIGTERM or self._sigints == 1):
             self.on_term()
+        if self._sigints > 1:
+            raise KeyboardInterrupt
         if self.requested:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
             return
         self.requested, self.reason = True, SIGNAL_NAMES[signum]
         if self.log is not None:

@@ -214,7 +214,9 @@ def test_bad_answers_name_file_and_row(tmp_path, answer, message):
 @pytest.mark.parametrize("line,message", [('{"prompt": "\\ud800"}', "the prompt is not valid Unicode"),
                                           ('{"prompt": "b", "messages": [{"role": "user", "content": "c"}]}',
                                            "row has both 'prompt' and 'messages'; keep one"),
-                                          ("[" * 100_000, "JSON nested too deeply")])
+                                          ("[" * 100_000, "JSON nested too deeply"),
+                                          ('{"prompt": "b", "answer": ' + "9" * 5000 + "}",
+                                           "a number Python will not read (Exceeds the limit")])
 def test_unusable_prompt_rows(model_dir, tmp_path, capsys, line, message):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n' + line + "\n")
@@ -482,3 +484,10 @@ def test_bench_train_takes_an_earlier_run_of_its_own_as_replaceable(tmp_path):
     (run / ".notes.txt.a1.tmp").write_text("x")  # a temporary of no file of a run's
     with pytest.raises(TailtamerError, match=r"holds \.notes\.txt\.a1\.tmp, not a run's files"):
         check_replaceable(run)
+
+
+def test_a_pipe_as_the_prompts_file_is_named_for_what_it_is(model_dir, tmp_path, capsys):
+    fifo = tmp_path / "p.jsonl"
+    os.mkfifo(fifo)
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(fifo), "--out", str(tmp_path / "o.jsonl")])
+    _one_line_error(capsys, f"{fifo}: not a regular file (a pipe or device)", code)

@@ -377,6 +377,19 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers):
     assert _comparable(_rows(run)) == _comparable(_rows(tmp_path / "runs" / "straight"))
 
 
+def test_ctrl_c_to_the_launcher_alone_stops_its_workers_after_the_step(toy, tmp_path):
+    """`kill -INT` to a multi-worker run's launcher (not its process group) went unheard: the
+    run went on to its last step. The launcher passes the stop on as SIGTERM, which a worker
+    that also gets the terminal's SIGINT counts as the same stop, not a second Ctrl-C."""
+    run = tmp_path / "runs" / "int"
+    proc = _cli_train(toy + ["run.save_every=0", "run.workers=2", "run.steps=40", "run.name=int"], tmp_path)
+    err = _signal_after_two_steps(proc, run, lambda: os.kill(proc.pid, signal.SIGINT))
+    assert proc.returncode == 130, err
+    done = len(_rows(run))
+    assert done < 40 and f"after step {done} of 40" in err and f"tailtamer train --resume {run}" in err
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{done:06d}"
+
+
 @pytest.mark.parametrize("workers,to", [(1, "process"), (2, "launcher"), (2, "group")])
 def test_sigterm_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers, to):
     """SIGTERM (SLURM, Kubernetes, `docker stop`), to the launcher alone (passed on to the
