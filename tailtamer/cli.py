@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tailtamer.atomic import make_dirs, remove_empty_dirs
 from tailtamer.errors import ConfigError, DataError, TailtamerError
-from tailtamer.stopping import Interrupted
+from tailtamer.stopping import Interrupted, Terminated, sigterm_stops_at_once
 from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig
 
 # Which benchmarks each `bench` flag is for
@@ -559,14 +559,15 @@ def _run(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _run(args)
+        with sigterm_stops_at_once():
+            _run(args)
     except Interrupted as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every worker stops alike: one says so
             print(f"stopped: {e}", file=sys.stderr)
         return 130
-    except KeyboardInterrupt:
-        print("stopped: interrupted (Ctrl-C); files are written atomically, so nothing is half-written",
-              file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"stopped: interrupted ({'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}); files are written "
+              f"atomically, so nothing is half-written", file=sys.stderr)
         return 130
     except TailtamerError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 from tailtamer.errors import TailtamerError
@@ -18,6 +19,29 @@ SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 class Interrupted(TailtamerError):
     """The user stopped the run; the message says what was saved and how to resume."""
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM where no StopRequest holds it: stop at once, as a Ctrl-C does there."""
+
+
+@contextmanager
+def sigterm_stops_at_once():
+    """Within the block, SIGTERM raises Terminated in the main thread, so the command unwinds as
+    after a Ctrl-C (temporary directories removed, an empty --out too) instead of ending where it
+    stands, as Python's default does. A StopRequest inside takes SIGTERM over while it is active."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class StopRequest:

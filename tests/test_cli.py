@@ -421,3 +421,24 @@ def test_bench_sd_runs_a_grouped_workload_beside_the_single_one(model_dir, tmp_p
     # each arm's drafts by source: EAGLE's only from the EAGLE drafter, none of them from the suffix drafter
     sources = {r["drafter"]: set(r["by_source"]) for r in report["rows"]}
     assert sources["eagle 2_1_3"] == {"eagle"} and "eagle" not in sources["suffix s8_2_9"]
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does(tmp_path):
+    """SIGTERM (a scheduler's stop) ended `sft` where it stood: no message, and an empty --out
+    and a hidden half-written sibling left behind. It now unwinds as a Ctrl-C does."""
+    import signal
+    import time
+
+    out = tmp_path / "models" / "m"
+    proc = subprocess.Popen([sys.executable, "-m", "tailtamer", "sft", "--preset", "tiny", "--steps", "100000",
+                             "--out", str(out)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # into the training
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == ("stopped: interrupted (SIGTERM); files are written atomically, so "
+                                            "nothing is half-written")
+    assert not (tmp_path / "models").exists()  # no empty --out, no hidden sibling
