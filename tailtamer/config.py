@@ -156,6 +156,11 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
 
 
+# rl.reward_weights at most (in size): a reward is capped at 1e18 (rl/rewards.py), and weighted,
+# summed over the functions and a group's mean in float32 (at most 3.4e38), nothing overflows.
+MAX_REWARD_WEIGHT = 1e12
+
+
 @dataclass(frozen=True)
 class RLConfig:
     advantage: str = f("grpo", f"advantage estimator: {', '.join(ADVANTAGES)}")
@@ -232,6 +237,10 @@ class RLConfig:
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ConfigError(f"rl.reward_weights: {len(self.reward_weights)} weights for {len(self.reward)} reward "
                               f"functions (rl.reward={list(self.reward)})")
+        heavy = [w for w in self.reward_weights if abs(w) > MAX_REWARD_WEIGHT]
+        if heavy:  # weight x reward (up to 1e18) summed in float32 would overflow: every update skipped
+            raise ConfigError(f"rl.reward_weights: {heavy[0]!r} is beyond +-{MAX_REWARD_WEIGHT:g} (weighted rewards "
+                              f"are summed in float32); scale the weights down")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"rl.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         at_least(self, "rl", 0, "clip_high")
@@ -285,6 +294,9 @@ def _coerce(value: Any, kind, where: str):
     if origin is tuple:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value]  # `rl.reward=math`: a list of one
+        if isinstance(value, dict) and len(value) == 1 and None in value.values():  # YAML read `x.py:` as a mapping
+            raise ConfigError(f"{where}: {next(iter(value))}: has nothing after ':' (module:function or "
+                              f"file.py:function)")
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         inner = typing.get_args(kind)[0]

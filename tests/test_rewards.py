@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tailtamer.config import load_train_config
 from tailtamer.errors import ConfigError
 from tailtamer.rl.rewards import RewardScorer, resolve_reward
 
@@ -172,7 +173,6 @@ def test_verl_compute_score_gets_the_rows_fields_intact(model_dir, tmp_path, mon
     extra_info) and verl's compute_score file train unchanged."""
     pd = pytest.importorskip("pandas")
     pytest.importorskip("pyarrow")
-    from tailtamer.config import load_train_config
     from tailtamer.rl.trainer import train
 
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"q{i}"}],
@@ -226,8 +226,29 @@ def test_a_reward_naming_response_and_answer_gets_each_by_name():
     def wrapper(*args):
         return decorated(*args)
 
-    for fn in (swapped, plain, positional_only, wrapper):
+    def keyword_only(*, answer, response):  # as the docs promise: by name, whatever the order
+        return float(response == "r" and answer == "a")
+
+    for fn in (swapped, plain, positional_only, wrapper, keyword_only):
         assert reward_caller(fn, fn.__name__)("r", "a", {}) == 1.0, fn.__name__
+
+
+def test_a_reward_that_is_no_function_is_named_for_what_it_is(tmp_path):
+    (tmp_path / "r.py").write_text("score = 5\n")
+    with pytest.raises(ConfigError, match=r"r.py's 'score' is a int, not a function$"):
+        RewardScorer(f"{tmp_path / 'r.py'}:score")
+    with pytest.raises(ConfigError, match=r"r.py:': no function name after ':'"):
+        RewardScorer(f"{tmp_path / 'r.py'}:")
+    with pytest.raises(ConfigError, match=r"^rl.reward: .*r.py: has nothing after ':'"):  # YAML reads `x.py:` as a map
+        load_train_config(None, [f"rl.reward={tmp_path / 'r.py'}:"])
+
+
+@pytest.mark.parametrize("weight", ["1e300", "-1e13"])
+def test_a_reward_weight_that_would_overflow_is_refused(weight):
+    """1e300 ran, every reward inf and every update skipped, and the run said it finished."""
+    with pytest.raises(ConfigError, match=rf"rl.reward_weights: .* is beyond \+-1e\+12"):
+        load_train_config(None, ["rl.reward=[math,math]", f"rl.reward_weights=[1,{weight}]"])
+    load_train_config(None, ["rl.reward=[math,math]", "rl.reward_weights=[1,-1e12]"])
 
 
 def test_a_dict_reward_needs_a_score():
@@ -287,7 +308,6 @@ def test_auto_routes_each_row_by_its_data_source(tmp_path):
 def test_the_default_reward_routes_a_gsm8k_file_to_math_and_logs_each_function(model_dir, tmp_path):
     """No rl.reward given: rows of data_source openai/gsm8k are scored by math-verify; with two
     reward functions, each one's mean is logged and the reward is their weighted sum."""
-    from tailtamer.config import load_train_config
     from tailtamer.rl.rewards import math_reward
     from tailtamer.rl.trainer import train
 

@@ -51,6 +51,8 @@ def load_user_reward(spec: str) -> Callable[[str, str], float]:
     if ":" not in spec:
         raise ConfigError(f"rl.reward {spec!r}: expected auto, builtin, math, module:function or file.py:function")
     target, name = spec.rsplit(":", 1)
+    if not name:
+        raise ConfigError(f"rl.reward {spec!r}: no function name after ':' (module:function or file.py:function)")
     try:
         if target.endswith(".py"):
             path = Path(target)
@@ -71,8 +73,10 @@ def load_user_reward(spec: str) -> Callable[[str, str], float]:
     except BaseException as e:  # the user's module failed to import (or exited): say which and why
         raise ConfigError(f"rl.reward {spec!r}: cannot import {target} ({type(e).__name__}: {e})") from None
     fn = getattr(module, name, None)
-    if not callable(fn):
+    if fn is None:
         raise ConfigError(f"rl.reward {spec!r}: {target} has no function {name!r}")
+    if not callable(fn):
+        raise ConfigError(f"rl.reward {spec!r}: {target}'s {name!r} is a {type(fn).__name__}, not a function")
     return fn
 
 
@@ -188,12 +192,18 @@ def reward_caller(fn: Callable, name: str) -> Callable[[str, str, dict], object]
             return fn(**{k: v for k, v in given.items() if k in names})
         return verl
     names = list(params)
-    if "response" in params and "answer" in params and names.index("answer") < names.index("response"):
-        try:  # `fn(answer, response)`: by name, so each gets its own (in order, it would get the other)
-            sig.bind(response=None, answer=None)
-            return lambda response, answer, context: fn(response=response, answer=answer)
-        except TypeError:  # positional-only parameters: passed in order, as below
-            pass
+    if "response" in params and "answer" in params:
+        try:
+            sig.bind("response", "answer")
+            in_order = names.index("response") < names.index("answer")
+        except TypeError:  # keyword-only: `fn(*, response, answer)`
+            in_order = False
+        if not in_order:  # by name, so each gets its own (`fn(answer, response)` in order would get the other)
+            try:
+                sig.bind(response=None, answer=None)
+                return lambda response, answer, context: fn(response=response, answer=answer)
+            except TypeError:  # positional-only parameters: passed in order, as below
+                pass
     try:
         sig.bind("response", "answer")
     except TypeError:
