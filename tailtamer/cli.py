@@ -255,13 +255,15 @@ def cmd_drafter_train(args) -> None:
     from dataclasses import replace
 
     from tailtamer.atomic import atomic_write_json, write_dir
-    from tailtamer.drafter.train import DrafterTrainConfig, encode_texts, read_texts, train_drafter
+    from tailtamer.drafter.train import DrafterTrainConfig, check_unroll, encode_texts, read_texts, train_drafter
     from tailtamer.model.drafter import load_drafter, save_drafter
     from tailtamer.model.io import load_pretrained
 
     for flag, value in (("--steps", args.steps), ("--unroll", args.unroll)):
         if value is not None:
             at_least_one(value, flag)
+    if args.unroll is not None:
+        check_unroll(args.unroll, "--unroll")
     fresh_output_dir(args.out, "--out")
     cfg = replace(DrafterTrainConfig(fc_bias=not args.no_fc_bias),
                   **{k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed), ("unroll", args.unroll))

@@ -175,6 +175,8 @@ def test_usage_errors_are_one_line(capsys):
     (["sft", "--steps", "0", "--out", "x"], "--steps must be >= 1, got 0"),
     (["drafter", "train", "--model", "m", "--data", "builtin", "--out", "d", "--steps", "0"], "--steps must be >= 1"),
     (["drafter", "train", "--model", "m", "--data", "builtin", "--out", "d", "--unroll", "0"], "--unroll must be >= 1"),
+    (["drafter", "train", "--model", "m", "--data", "builtin", "--out", "d", "--unroll", "100000"],
+     "--unroll must be at most 64, the deepest draft, got 100000"),  # it ran for minutes a step
 ])
 def test_counts_below_one_name_the_flag(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)

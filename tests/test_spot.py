@@ -330,6 +330,9 @@ def test_spot_config_rejects_bad_values():
         SpotConfig(single_worker="sometimes")
     with pytest.raises(ConfigError, match="spot.tokens_per_step must be >= 1"):
         SpotConfig(tokens_per_step=0)
+    with pytest.raises(ConfigError, match="spot.unroll must be at most 64, the deepest draft, got 65"):
+        SpotConfig(unroll=65)
+    SpotConfig(unroll=64)
 
 
 def test_packing_keeps_every_tensor_on_the_buffers_device():

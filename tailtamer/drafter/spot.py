@@ -21,7 +21,7 @@ import torch
 
 from tailtamer.config_fields import at_least, f, positive
 from tailtamer.drafter.buffer import DataBuffer, pairs
-from tailtamer.drafter.train import pack, unrolled_loss
+from tailtamer.drafter.train import check_unroll, pack, unrolled_loss
 from tailtamer.errors import ConfigError, WriteError
 from tailtamer.model.drafter import Drafter, drafter_tensors, write_drafter
 from tailtamer.adamw import adamw
@@ -52,6 +52,7 @@ class SpotConfig:
             raise ConfigError(f"spot.long_quantile must be in [0, 1), got {self.long_quantile}")
         at_least(self, "spot", 0, "window_s")
         at_least(self, "spot", 1, "tokens_per_step", "buffer_mb", "unroll")
+        check_unroll(self.unroll, "spot.unroll")
         at_least(self, "spot", 0, "max_steps")
 
 
