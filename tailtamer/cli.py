@@ -317,6 +317,8 @@ def cmd_init_model(args) -> None:
     from tailtamer.model.io import init_model, save_model
     from tailtamer.model.tokenizer import char_tokenizer, load_tokenizer
 
+    if args.tokenizer and not Path(args.tokenizer).is_dir():  # load_tokenizer would call it a model directory
+        raise TailtamerError(f"--tokenizer {args.tokenizer}: not a directory (give the one holding tokenizer.json)")
     fresh_output_dir(args.out, "--out")
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else char_tokenizer()
     arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[args.arch]

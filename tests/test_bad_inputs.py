@@ -136,6 +136,7 @@ def _umask():
     (["run.seed=-5"], "run.seed must be >= 0"),
     (["run.seed=99999999999999999999999"], "run.seed must be <= 4294967295"),
     (["run.model=/nonexistent/model"], "run.model /nonexistent/model: model directory not found"),
+    (["run.model=/"], "run.model /: no config.json or tokenizer.json, so not a model directory"),  # not the drafter
 ])
 def test_more_bad_configs(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -493,3 +494,10 @@ def test_a_pipe_as_the_prompts_file_is_named_for_what_it_is(model_dir, tmp_path,
     os.mkfifo(fifo)
     code = main(["generate", "--model", str(model_dir), "--prompts", str(fifo), "--out", str(tmp_path / "o.jsonl")])
     _one_line_error(capsys, f"{fifo}: not a regular file (a pipe or device)", code)
+
+
+def test_a_missing_tokenizer_directory_is_named_as_one(tmp_path, capsys):
+    code = main(["init-model", "--preset", "tiny", "--tokenizer", str(tmp_path / "none"), "--out", str(tmp_path / "m")])
+    _one_line_error(capsys, f"--tokenizer {tmp_path / 'none'}: not a directory (give the one holding tokenizer.json)",
+                    code)
+    assert not (tmp_path / "m").exists()
