@@ -111,6 +111,7 @@ def test_config_missing_field(tmp_path):
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types must all be 'full_attention'"),
     ({"use_sliding_window": True}, "sliding-window attention is not supported"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer below 2\\*\\*31, got 0"),
 ])
 def test_unsupported_config(tmp_path, change, message):
     path = _saved(tmp_path) / "config.json"

@@ -212,7 +212,9 @@ class ModelConfig:
                 intermediate_size=raw["intermediate_size"],
                 num_hidden_layers=raw["num_hidden_layers"],
                 num_attention_heads=raw["num_attention_heads"],
-                num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+                # unset (None) means one per attention head, as in transformers; 0 is a mistake to name
+                num_key_value_heads=raw["num_attention_heads"] if raw.get("num_key_value_heads") is None
+                else raw["num_key_value_heads"],
                 # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads
                 head_dim=raw.get("head_dim", 128 if arch == "Qwen3ForCausalLM" else None),
                 max_position_embeddings=raw.get("max_position_embeddings", 2048),
