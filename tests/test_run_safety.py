@@ -441,6 +441,18 @@ def test_an_automatic_worker_count_is_capped_by_the_training_prompts(toy, tmp_pa
     assert said == ["spec.strategy=2_1_3 is not read: spec.mode=off decodes without speculation"], said
 
 
+def test_more_workers_asked_for_than_prompts_to_share_is_said(toy, monkeypatch, capsys):
+    from tailtamer.rl import trainer
+
+    started = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(trainer, "spawn", lambda world, *a, **k: started.append(world))
+    trainer.launch(load_train_config(None, toy + ["run.workers=8", "run.steps=1"]), console=quiet)
+    assert started == [4]
+    assert "run.workers=8: 4 workers, as a step has only 4 prompts to share (rollout.prompts_per_step)" in \
+        capsys.readouterr().out
+
+
 def test_files_of_runs_written_before_the_renames_still_resume(tmp_path):
     """An older tailtamer wrote steps from 0 and a `drafter:` section: a resume reads both (the
     rows renumbered, those after the checkpoint dropped); a user's own file gets the hint."""

@@ -564,6 +564,10 @@ def launch(cfg: TrainConfig, resume: Path | None = None, console=print, pace: No
         require_vllm()
     gpus = gpu_count() if device.type == "cuda" else 0
     world = resolve_workers(cfg.run.workers, cfg.rollout.prompts_per_step, gpus)
+    if cfg.run.workers > world:  # asked for: say why fewer run
+        print(f"run.workers={cfg.run.workers}: {world} worker{'s' * (world > 1)}, as a step has only "
+              f"{cfg.rollout.prompts_per_step} prompt{'s' * (cfg.rollout.prompts_per_step != 1)} to share "
+              f"(rollout.prompts_per_step)")
     if world == 1:
         return train(cfg, resume, console=console, pace=pace)
     # The launcher claims the run directory (and holds its lock while the workers run) and
