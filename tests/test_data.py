@@ -220,3 +220,21 @@ def test_a_row_with_both_prompt_and_messages_is_read_as_data_prompt_key_says(tmp
         load_task_rows(path, char_tokenizer(), 64)
     rows, _ = load_task_rows(path, char_tokenizer(), 64, prompt_key="prompt")
     assert rows[0]["prompt_ids"] == char_tokenizer().encode("ab")
+
+
+def test_built_in_prompts_too_long_for_the_model_are_skipped_and_counted():
+    """As a file's are: a model of tiny context crashed the first rollout with `prompt 1: prompt
+    has 27 tokens; the context holds 8`."""
+    from tailtamer.rl.data import datasets
+
+    cfg = load_train_config(None, ["data.n_builtin=200", "data.n_eval=20"])
+    tokenizer = char_tokenizer()
+    everything, evals, skipped = datasets(cfg, tokenizer, 1000, print)
+    assert (len(everything), len(evals), skipped) == (200, 20, 0)
+    limit = sorted(len(r["prompt_ids"]) for r in everything)[50]
+    train, evals, skipped = datasets(cfg, tokenizer, limit, print)
+    assert 50 < len(train) < 200 and all(len(r["prompt_ids"]) <= limit for r in train + evals)
+    assert skipped == 200 - len(train) + 20 - len(evals)
+    assert train == [r for r in everything if len(r["prompt_ids"]) <= limit]  # the same problems, in order
+    with pytest.raises(DataError, match=r"data.train=builtin: every built-in problem is longer than 2 tokens"):
+        datasets(cfg, tokenizer, 2, print)

@@ -241,13 +241,19 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
     """(train rows, eval rows, prompts skipped as longer than `limit` tokens) for a
     TrainConfig's data section: the built-in task's problems, or the files'."""
     if cfg.data.train == "builtin":
-        task = ArithmeticTask()
+        task, skipped = ArithmeticTask(), 0
 
-        def rows(problems):
-            return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
+        def rows(problems):  # as a file's: a prompt over the limit is skipped and counted (a model of tiny context)
+            nonlocal skipped
+            out = [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
+            fit = [r for r in out if len(r["prompt_ids"]) <= limit]
+            skipped += len(out) - len(fit)
+            return fit
         train = rows(task.problems(cfg.data.n_builtin, seed=cfg.run.seed + 17))
+        if not train:
+            raise DataError(f"data.train=builtin: every built-in problem is longer than {limit} tokens "
+                            f"(data.max_prompt_tokens or the model's context)")
         evals = rows(task.problems(cfg.data.n_eval, seed=HELD_OUT_SEED)) if cfg.data.eval is None else None
-        skipped = 0
     else:
         train, skipped = load_task_rows(cfg.data.train, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         evals = []
