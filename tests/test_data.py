@@ -65,11 +65,12 @@ def test_long_prompts_are_skipped_and_counted_not_truncated(tmp_path):
     (['{"prompt": "a"}'], "d.jsonl:1: row has no 'answer' (or 'reward_model.ground_truth')"),
     (['{"prompt": "a", "reward_model": {"style": "rule"}}'], "d.jsonl:1: row has no 'answer'"),
     (['{"prompt": "", "answer": "1"}'], "d.jsonl:1: field 'prompt' is empty"),
+    (['{"prompt": " \\n ", "answer": "1"}'], "d.jsonl:1: field 'prompt' is empty (only whitespace)"),
     (['{"prompt": 3, "answer": "1"}'], "d.jsonl:1: field 'prompt' must be a string or a list of messages"),
     (['{"messages": [{"role": "user"}], "answer": "1"}'], "d.jsonl:1: message 0 needs string fields"),
     (['{"messages": [], "answer": "1"}'], "d.jsonl:1: 'messages' must be a non-empty list"),
 ], ids=["empty", "bad-json", "not-object", "no-prompt", "no-answer", "no-ground-truth", "empty-prompt",
-        "prompt-type", "message-fields", "no-messages"])
+        "blank-prompt", "prompt-type", "message-fields", "no-messages"])
 def test_bad_rows_name_the_file_and_row(tmp_path, lines, message):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(line + "\n" for line in lines))

@@ -49,8 +49,8 @@ def _prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str, mappabl
 
 
 def _nonempty(text: str, where: str, field: str) -> str:
-    if not text:
-        raise DataError(f"{where}: field '{field}' is empty")
+    if not text.strip():  # only spaces or newlines: nothing to answer, as an answer of them is nothing to check
+        raise DataError(f"{where}: field '{field}' is empty" + (" (only whitespace)" if text else ""))
     return text
 
 
