@@ -81,6 +81,23 @@ def test_failing_rewards_score_zero_and_are_counted(user_file, name, kind):
     scorer.close()
 
 
+def test_a_reward_that_never_answers_fails_its_batch_without_waiting_out_every_call(user_file):
+    """Each call waited out the timeout in a fresh process: 128 samples at 5 s took over 10
+    minutes before the step's "every reward failed" stop."""
+    scorer = RewardScorer(f"{user_file}:slow", timeout_s=0.3)
+    t0 = time.perf_counter()
+    assert scorer.score_batch([("x", "y")] * 40) == [(0.0, False)] * 40
+    assert time.perf_counter() - t0 < 10  # 3 timeouts, not 40
+    assert scorer.counts()["reward_timeouts"] == 40
+    assert scorer.failures["timeout"]["first"] == "a call took longer than rl.reward_timeout_s=0.3"
+    scorer.close()
+    # one that has answered once is waited for call by call, as before
+    scorer = RewardScorer(f"{user_file}:sometimes", timeout_s=0.3)
+    got = scorer.score_batch([("a", "a"), ("hang", "a"), ("hang", "a"), ("hang", "a"), ("hang", "a"), ("b", "b")])
+    assert got == [(1.0, True)] + [(0.0, False)] * 4 + [(1.0, True)]
+    scorer.close()
+
+
 def test_a_crash_or_hang_is_charged_to_its_own_sample(user_file):
     scorer = RewardScorer(f"{user_file}:sometimes", timeout_s=0.5)
     got = scorer.score_batch([("a", "a"), ("die", "a"), ("b", "b"), ("hang", "a"), ("c", "d"), ("e", "e")])

@@ -212,6 +212,11 @@ def reward_caller(fn: Callable, name: str) -> Callable[[str, str, dict], object]
     return lambda response, answer, context: fn(response, answer)
 
 
+# Timeouts in a row, of a reward that has never answered, after which the rest of a batch is
+# failed uncalled (RewardScorer).
+NEVER_ANSWERED = 3
+
+
 # A step's rewards are float32 (at most 3.4e38), weighted and summed over functions and over a
 # group for its mean: 1e18 leaves room for any group and weights a run would use.
 MAX_REWARD = 1e18
@@ -248,13 +253,17 @@ class RewardScorer:
     the child is restarted and the remaining calls go on. `reward` is a spec (`auto`,
     `builtin`, `math`, `module:function`, `file.py:function`), a picklable function, or a
     sequence of them, summed with `weights` (default: 1 each). What the functions print goes
-    to the file `output` (appended) when given, else to stderr."""
+    to the file `output` (appended) when given, else to stderr. A reward that has never
+    answered and times out NEVER_ANSWERED times in a row fails the rest of its batch uncalled:
+    each call would wait out the timeout in a fresh process (128 samples at 5 s: over 10
+    minutes before the step's "every reward failed" stop)."""
 
     reward: str | Callable | tuple
     timeout_s: float = 5.0
     weights: tuple[float, ...] = ()
     output: Path | None = None
     failures: dict = field(default_factory=dict)  # kind -> {"count": n, "first": message}
+    answered: bool = False  # whether any call has come back (a value or an error)
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _conn: Connection | None = field(default=None, repr=False)
 
@@ -326,7 +335,12 @@ class RewardScorer:
         items = [(item[0], item[1], item[2] if len(item) > 2 else {}) for item in items]
         calls = [(j, *item) for item in items for j in range(len(self.specs))]
         out: list[tuple[float, bool]] = []
+        timeouts = 0  # in a row
         while len(out) < len(calls):
+            if not self.answered and timeouts >= NEVER_ANSWERED:
+                out += [self._fail("timeout", f"not called: its first {timeouts} calls took longer than "
+                                              f"rl.reward_timeout_s={self.timeout_s}", j) for j, *_ in calls[len(out):]]
+                break
             if self._conn is None:
                 self._start()
             pending = calls[len(out):]
@@ -338,14 +352,16 @@ class RewardScorer:
             for j, *_ in pending:
                 if not self._conn.poll(self.timeout_s):
                     self._stop()
+                    timeouts += 1
                     out.append(self._fail("timeout", f"a call took longer than rl.reward_timeout_s={self.timeout_s}", j))
                     break
                 try:
                     kind, value = self._conn.recv()
                 except (EOFError, OSError):
-                    code = self._stop()
+                    code, timeouts = self._stop(), 0
                     out.append(self._fail("process died", f"the reward's process died (exit code {code})", j))
                     break
+                timeouts, self.answered = 0, True
                 out.append((value, True) if kind == "ok" else self._fail(kind, value, j))
         k = len(self.specs)
         return [out[i:i + k] for i in range(0, len(out), k)]
