@@ -237,5 +237,5 @@ def test_built_in_prompts_too_long_for_the_model_are_skipped_and_counted():
     assert 50 < len(train) < 200 and all(len(r["prompt_ids"]) <= limit for r in train + evals)
     assert skipped == 200 - len(train) + 20 - len(evals)
     assert train == [r for r in everything if len(r["prompt_ids"]) <= limit]  # the same problems, in order
-    with pytest.raises(DataError, match=r"data.train=builtin: every built-in problem is longer than 2 tokens"):
+    with pytest.raises(DataError, match=r"data.train=builtin: every prompt is longer than 2 tokens"):
         datasets(cfg, tokenizer, 2, print)

@@ -184,23 +184,27 @@ CONTEXT_FIELDS = ("data_source", "extra_info")
 def load_task_rows(path: str | Path, tokenizer: Tokenizer, max_prompt_tokens: int,
                    prompt_key: str | None = None, answer_key: str | None = None) -> tuple[list[dict], int]:
     """Rows {prompt_ids, answer} for RL, and how many prompts were skipped as too long."""
-    rows, skipped = [], 0
+    rows = []
     for row in read_rows(path):
         where = f"{path}:{row['_row']}"
         row = map_columns(row, prompt_key, answer_key, where)
         ids = tokenizer.encode(prompt_text(row, tokenizer, where, prompt_key or "prompt", mappable=True))
         answer = row_answer(row, where, answer_key or "answer")
-        if len(ids) > max_prompt_tokens:
-            skipped += 1
-            continue
         context = {k: row[k] for k in CONTEXT_FIELDS if k in row}
         if "data_source" not in context and _is_gsm8k(row):
             context["data_source"] = "openai/gsm8k"  # so rl.reward=auto scores it with math-verify
         rows.append({"prompt_ids": ids, "answer": answer, "_row": row["_row"], **({"context": context} if context else {})})
-    if not rows:
-        raise DataError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens (data.max_prompt_tokens "
+    return fitting(rows, max_prompt_tokens, path)
+
+
+def fitting(rows: list[dict], max_prompt_tokens: int, source) -> tuple[list[dict], int]:
+    """(the rows whose prompt has at most `max_prompt_tokens` tokens, how many had more): those
+    are skipped and counted, never truncated; rows of which none fits are refused, naming `source`."""
+    fit = [r for r in rows if len(r["prompt_ids"]) <= max_prompt_tokens]
+    if rows and not fit:
+        raise DataError(f"{source}: every prompt is longer than {max_prompt_tokens} tokens (data.max_prompt_tokens "
                         f"or the model's context)")
-    return rows, skipped
+    return fit, len(rows) - len(fit)
 
 
 def held_out_count(cfg, rows: int) -> int:
@@ -241,19 +245,17 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
     """(train rows, eval rows, prompts skipped as longer than `limit` tokens) for a
     TrainConfig's data section: the built-in task's problems, or the files'."""
     if cfg.data.train == "builtin":
-        task, skipped = ArithmeticTask(), 0
+        task, evals = ArithmeticTask(), None
 
-        def rows(problems):  # as a file's: a prompt over the limit is skipped and counted (a model of tiny context)
-            nonlocal skipped
-            out = [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
-            fit = [r for r in out if len(r["prompt_ids"]) <= limit]
-            skipped += len(out) - len(fit)
-            return fit
-        train = rows(task.problems(cfg.data.n_builtin, seed=cfg.run.seed + 17))
-        if not train:
-            raise DataError(f"data.train=builtin: every built-in problem is longer than {limit} tokens "
-                            f"(data.max_prompt_tokens or the model's context)")
-        evals = rows(task.problems(cfg.data.n_eval, seed=HELD_OUT_SEED)) if cfg.data.eval is None else None
+        def rows(problems):
+            return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
+        # as a file's: a prompt over the limit is skipped and counted (a model of tiny context)
+        train, skipped = fitting(rows(task.problems(cfg.data.n_builtin, seed=cfg.run.seed + 17)), limit,
+                                 "data.train=builtin")
+        if cfg.data.eval is None:
+            evals, more = fitting(rows(task.problems(cfg.data.n_eval, seed=HELD_OUT_SEED)), limit,
+                                  "data.eval (the held-out built-in problems)")
+            skipped += more
     else:
         train, skipped = load_task_rows(cfg.data.train, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         evals = []
