@@ -87,17 +87,22 @@ def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch
     if strategies is not None and (isinstance(strategies, str) or not all(isinstance(x, str) for x in strategies)):
         raise ConfigError(f"TLTRollout strategies={strategies!r}: give a list of strategy names, e.g. ['7_1_8', "
                           f"'4_1_5']")
-    for name, value, least in (("max_batch_size", max_batch_size, 1), ("bs_threshold", bs_threshold, 0)):
-        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-        if (value is not None or name == "max_batch_size") and not (whole and value >= least):
-            raise ConfigError(f"TLTRollout {name}={value!r}: give a whole number >= {least}"
-                              + (" or None (the device's default)" if name == "bs_threshold" else ""))
+    if not _whole_at_least(max_batch_size, 1):
+        raise ConfigError(f"TLTRollout max_batch_size={max_batch_size!r}: give a whole number >= 1")
+    if bs_threshold is not None and not _whole_at_least(bs_threshold, 0):
+        raise ConfigError(f"TLTRollout bs_threshold={bs_threshold!r}: give a whole number >= 0 or None (the device's "
+                          f"default)")
     if bs_threshold is not None and spec != "adaptive":
         raise ConfigError(f"TLTRollout bs_threshold={bs_threshold!r} is the long-tail switch of spec='adaptive'; "
                           f"spec={spec!r} would not read it")
     if not isinstance(spot, SpotConfig):
         raise ConfigError(f"TLTRollout spot={spot!r}: give a tailtamer.drafter.spot.SpotConfig, e.g. "
                           f"SpotConfig(train=False)")
+
+
+def _whole_at_least(value, least: int) -> bool:
+    """An integer of any kind (numpy's too), not a bool, at least `least`."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
 
 
 class TLTRollout:
