@@ -246,7 +246,7 @@ def _spawned(rank: int, world: int, port: int, launcher: int, entry: Callable, a
     try:
         value = entry(*args)
     except Interrupted as e:  # stopped by Ctrl-C or SIGTERM between steps: a clean end, not a failure
-        results.put(("interrupted", rank, str(e)))
+        results.put(("interrupted", rank, (str(e), e.by)))
         value = None
     except KeyboardInterrupt:  # a second Ctrl-C: the launcher stops everyone and says so
         os._exit(130)
@@ -326,8 +326,9 @@ def spawn(world: int, entry: Callable, args: tuple, resume_note: Callable[[], st
     if failed_at is not None:
         codes = [None if rank in killed else process.exitcode for rank, process in enumerate(procs)]
         raise _failure(codes, errors, stop.reason, resume_note())
-    if interrupted:
-        raise Interrupted(interrupted.get(0) or next(iter(interrupted.values())))
+    if interrupted:  # in the launcher's words where the signal came to it
+        stopped = Interrupted(*(interrupted.get(0) or next(iter(interrupted.values()))))
+        raise stopped.stopped_by(stop.reason) if stop.reason else stopped
     if value is None:
         raise WorkerError("worker 0 ended without a result")
     return value[0]
@@ -346,14 +347,15 @@ def _failure(codes: list, errors: list, stopped_by: str | None, resume: str) -> 
     launcher once the others had failed), `errors` the messages they sent, in the order they
     failed. A worker killed outright makes its peers fail in their next collective, so the dead
     one is the cause; a stop before the workers' steps began (they die of the signal) is a
-    stop, not a failure."""
+    stop, not a failure: the launcher's `stopped_by`, whatever signal passed it on (a Ctrl-C
+    to the launcher reaches the workers as SIGTERM)."""
     stop_codes = {130: "Ctrl-C", -signal.SIGINT: "Ctrl-C", -signal.SIGTERM: "SIGTERM"}
     for rank, code in enumerate(codes):
-        if code is not None and code < 0 and (code not in stop_codes or stop_codes[code] != stopped_by):
+        if code is not None and code < 0 and (code not in stop_codes or stopped_by is None):
             return _died(rank, code, resume)
     stops = [stop_codes[code] for code in codes if code in stop_codes]
     if stops:  # the peers' errors (a collective without them) are its consequence
-        return Interrupted(f"stopped by {stops[0]}; {resume}")
+        return Interrupted(f"stopped by {stopped_by or stops[0]}; {resume}", stopped_by or stops[0])
     if errors:
         rank, message = errors[0]
         return WorkerError(f"worker {rank}: {message}")

@@ -18,7 +18,20 @@ SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 class Interrupted(TailtamerError):
-    """The user stopped the run; the message says what was saved and how to resume."""
+    """The user stopped the run; the message says what was saved and how to resume. `by`: the
+    signal that asked ("Ctrl-C", "SIGTERM"), where the message begins "stopped by `by`", so a
+    launcher that received the signal itself can name it for its workers (it passes a Ctrl-C on
+    to them as SIGTERM)."""
+
+    def __init__(self, message: str, by: str | None = None):
+        super().__init__(message)
+        self.by = by
+
+    def stopped_by(self, by: str) -> "Interrupted":
+        """This stop, said to be `by`'s."""
+        if self.by is None or by == self.by:
+            return self
+        return Interrupted(f"stopped by {by}" + str(self).removeprefix(f"stopped by {self.by}"), by)
 
 
 class Terminated(KeyboardInterrupt):

@@ -268,6 +268,19 @@ def test_ctrl_c_before_the_first_step_is_a_stop_not_a_death(tmp_path):
         spawn(2, interrupt_worker_1, (), partial(resume_note, tmp_path / "never"))
 
 
+def test_a_stop_passed_on_by_the_launcher_is_named_as_the_launcher_received_it():
+    """A Ctrl-C to the launcher reaches the workers as SIGTERM: a worker that dies of it before
+    its first step is the stop, not a crash, and the stop is the user's Ctrl-C."""
+    from tailtamer.dist import _failure
+
+    stopped = _failure([-signal.SIGTERM, None], [], "Ctrl-C", "nothing to resume")
+    assert isinstance(stopped, Interrupted) and str(stopped) == "stopped by Ctrl-C; nothing to resume"
+    assert isinstance(_failure([-signal.SIGTERM, None], [], None, "r"), WorkerError)  # no stop asked: a death
+    after = Interrupted("stopped by SIGTERM after step 3 of 9; resume with X", "SIGTERM")
+    assert str(after.stopped_by("Ctrl-C")) == "stopped by Ctrl-C after step 3 of 9; resume with X"
+    assert after.stopped_by("SIGTERM") is after
+
+
 def test_a_worker_error_is_reported_with_its_message(toy, tmp_path):
     cfg = load_train_config(None, toy + ["run.steps=1", "run.workers=2", "rl.reward=no_such_module:f"])
     with pytest.raises(WorkerError, match=r"worker \d: .*no_such_module"):

@@ -491,9 +491,9 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
                 if (cfg.run.save_every and s.step % cfg.run.save_every == 0) or s.step == cfg.run.steps:
                     _checkpoint(s)
                 if w.any(stop.requested) and s.step < cfg.run.steps:
-                    raise Interrupted(f"stopped by {stop.reason or 'a stop request (Ctrl-C or SIGTERM) to another worker'}"
-                                      f" after step {s.step} of {cfg.run.steps}; "
-                                      f"{_save_before_stopping(s)}")
+                    by = stop.reason or "a stop request (Ctrl-C or SIGTERM) to another worker"
+                    raise Interrupted(f"stopped by {by} after step {s.step} of {cfg.run.steps}; "
+                                      f"{_save_before_stopping(s)}", by)
                 if w.is_main:  # a paced run's writes too (the drafter's, in the background) are done in its turn
                     pace.done(s.step - 1, settle=s.drafter.wait)
             pace.finish(cfg.run.steps)
