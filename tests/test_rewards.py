@@ -256,6 +256,16 @@ def test_a_reward_that_is_no_function_is_named_for_what_it_is(tmp_path):
         RewardScorer(f"{tmp_path / 'r.py'}:score")
     with pytest.raises(ConfigError, match=r"r.py:': no function name after ':'"):
         RewardScorer(f"{tmp_path / 'r.py'}:")
+    (tmp_path / "c.py").write_text("class Scorer:\n    def __call__(self, response, answer):\n        return 1.0\n"
+                                   "scorer = Scorer()\n")
+    with pytest.raises(ConfigError, match=r"c.py's 'Scorer' is a class, not a function; name a function, or an "
+                                          r"instance with a __call__ method$"):
+        RewardScorer(f"{tmp_path / 'c.py'}:Scorer")
+    instance = RewardScorer(f"{tmp_path / 'c.py'}:scorer")  # an instance is called as a function
+    try:
+        assert instance.score("r", "a") == 1.0 and not instance.failures
+    finally:
+        instance.close()
     with pytest.raises(ConfigError, match=r"^rl.reward: .*r.py: has nothing after ':'"):  # YAML reads `x.py:` as a map
         load_train_config(None, [f"rl.reward={tmp_path / 'r.py'}:"])
 

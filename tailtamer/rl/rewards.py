@@ -77,6 +77,9 @@ def load_user_reward(spec: str) -> Callable[[str, str], float]:
         raise ConfigError(f"rl.reward {spec!r}: {target} has no function {name!r}")
     if not callable(fn):
         raise ConfigError(f"rl.reward {spec!r}: {target}'s {name!r} is a {type(fn).__name__}, not a function")
+    if isinstance(fn, type):  # calling it would build an instance per sample, scored as no number
+        raise ConfigError(f"rl.reward {spec!r}: {target}'s {name!r} is a class, not a function; name a function, "
+                          f"or an instance with a __call__ method")
     return fn
 
 
