@@ -84,8 +84,25 @@ def output_file(path: str, flag: str, inputs: dict[str, str] = {}) -> None:
         raise TailtamerError(f"{flag} {path} is a directory; give a file path")
     if p.exists() and not p.is_file():  # the write replaces the path: a device or pipe would be gone
         raise TailtamerError(f"{flag} {path} is not a regular file (a device, pipe or socket); give a file path")
+    if path.endswith(("/", os.sep)):
+        raise TailtamerError(f"{flag} {path} ends with a '/', as a directory does; give a file path")
     _clear_of_inputs(p, flag, path, inputs, "would overwrite")
+    holder = p.is_file() and _holder(p.resolve().parent)
+    if holder:
+        raise TailtamerError(f"{flag} {path} would replace a file of {holder} ({p.resolve().parent}); give a path "
+                             f"outside it")
     _writable_dir(p.parent, flag, path)
+
+
+def _holder(directory: Path) -> str | None:
+    """What `directory` is when an output file must not replace one of its files: a model or
+    drafter (config.json beside safetensors weights) or a training run (config.yaml beside
+    metrics.jsonl); None for any other directory, whose files an output replaces as asked."""
+    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors*")):
+        return "a model or drafter directory"
+    if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists():
+        return "a training run"
+    return None
 
 
 def _clear_of_inputs(p: Path, flag: str, path: str, inputs: dict[str, str], clash: str) -> None:

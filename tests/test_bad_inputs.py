@@ -52,6 +52,28 @@ def test_bench_never_writes_over_its_model(model_dir, tmp_path, capsys):
     _one_line_error(capsys, "--out is empty", main(["bench", "decode", "--out", "", "--repeats", "1"]))
 
 
+def test_an_output_never_replaces_a_file_of_another_model_or_run(model_dir, tmp_path, capsys):
+    """`task --out` or `generate --out` naming a file of a model other than the inputs (or of a
+    training run) replaced it: the model no longer loaded. An output ending in '/' wrote a file."""
+    other, run = tmp_path / "other-model", tmp_path / "runs" / "r"
+    shutil.copytree(model_dir, other)
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("run: {}\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    before = {p: p.read_bytes() for p in [*other.iterdir(), *run.iterdir()]}
+    for out, holder in ((other / "model.safetensors", "a model or drafter directory"),
+                        (other / "config.json", "a model or drafter directory"),
+                        (run / "metrics.jsonl", "a training run")):
+        _one_line_error(capsys, f"would replace a file of {holder}", main(["task", "--out", str(out), "--n", "2"]))
+        code = main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out", str(out)])
+        _one_line_error(capsys, f"would replace a file of {holder}", code)
+    assert {p: p.read_bytes() for p in before} == before
+    main(["task", "--out", str(other / "new.jsonl"), "--n", "2"])  # a new file beside them is the user's to add
+    assert (other / "new.jsonl").is_file()
+    _one_line_error(capsys, "ends with a '/'", main(["task", "--out", str(tmp_path / "dir") + "/", "--n", "2"]))
+    assert not (tmp_path / "dir").exists()
+
+
 def test_an_output_is_never_written_over_a_pipe_and_follows_a_link(tmp_path, capsys):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
