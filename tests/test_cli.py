@@ -228,6 +228,13 @@ def _broken_model(model_dir, tmp_path, how):
         tensors = load_file(str(out / "model.safetensors"))
         tensors["model.norm.weight"][0] = float("nan")
         save_file(tensors, str(out / "model.safetensors"))
+    elif how in ("float8", "int", "bool"):  # quantized or damaged: the loader copied them into floats
+        dtype = {"float8": torch.float8_e4m3fn, "int": torch.int32, "bool": torch.bool}[how]
+        tensors = load_file(str(out / "model.safetensors"))
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].to(dtype)
+        save_file(tensors, str(out / "model.safetensors"))
+    elif how == "quantized":
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     elif how == "vocab":
         config["vocab_size"] = len(CHAR_SPECIALS) + 10
         tensors = load_file(str(out / "model.safetensors"))
@@ -244,6 +251,12 @@ def _broken_model(model_dir, tmp_path, how):
     ("eos", "config.json: bos_token_id, eos_token_id and pad_token_id must be token ids"),
     ("nan", "model.safetensors: non-finite values (NaN or inf) in 1 tensor(s): norm.weight"),
     ("vocab", "tokenizer.json: 101 token ids but the model's vocab_size is 15"),
+    ("float8", "model.safetensors: 1 tensor(s) not of a float dtype tailtamer loads (float32, bfloat16, float16, "
+               "float64): norm.weight (float8_e4m3fn); a quantized checkpoint must be dequantized first"),
+    ("int", "norm.weight (int32)"),
+    ("bool", "norm.weight (bool)"),
+    ("quantized", "config.json: a quantized checkpoint (quantization_config: awq); tailtamer trains and rolls out "
+                  "float weights"),
 ])
 def test_broken_model_directories_are_one_line_errors(model_dir, tmp_path, capsys, how, message):
     model = _broken_model(model_dir, tmp_path, how)

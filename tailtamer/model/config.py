@@ -183,6 +183,12 @@ class ModelConfig:
         if rope_type not in ROPE_TYPES:
             raise CheckpointError(f"{source}: {rope_field}.rope_type {rope_type!r} is not supported; "
                                   f"supported: {', '.join(map(repr, ROPE_TYPES))}")
+        if raw.get("quantization_config"):
+            method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) \
+                else None
+            raise CheckpointError(f"{source}: a quantized checkpoint (quantization_config"
+                                  + (f": {method}" if method else "") + "); tailtamer trains and rolls out float "
+                                  "weights: use the unquantized model")
         if raw.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
         if raw.get("use_sliding_window"):

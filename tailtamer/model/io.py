@@ -147,9 +147,21 @@ def check_state_dict(expected: dict[str, torch.Tensor], got: dict[str, torch.Ten
         raise CheckpointError(f"{source}: " + " | ".join(problems))
 
 
+# The weights' dtypes a checkpoint may hold: they load as the run's dtype. Integers, booleans
+# and float8 are quantized or damaged weights (copying them into float parameters would give a
+# different model without a word).
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Weights with NaN or inf would sample garbage (or crash inside multinomial) later on."""
-    bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    """Weights of a float dtype, without NaN or inf, which would sample garbage (or crash
+    inside multinomial) later on."""
+    other = [f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items() if v.dtype not in WEIGHT_DTYPES]
+    if other:
+        raise CheckpointError(f"{source}: {len(other)} tensor(s) not of a float dtype tailtamer loads (float32, "
+                              f"bfloat16, float16, float64): {', '.join(other[:5])}" + (" ..." if len(other) > 5 else "")
+                              + "; a quantized checkpoint must be dequantized first")
+    bad = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"{source}: non-finite values (NaN or inf) in {len(bad)} tensor(s): "
                               f"{', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else ""))
