@@ -324,6 +324,41 @@ def test_bad_sharded_indexes(model_dir, index):
         load_model(model_dir)
 
 
+def _shard(model_dir):
+    """The model's weights in two shards and an index; returns (tensors, weight_map)."""
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {k: "model-0000{}-of-00002.safetensors".format(1 + (i >= len(names) // 2)) for i, k in enumerate(names)}
+    for shard in set(weight_map.values()):
+        save_file({k: v for k, v in tensors.items() if weight_map[k] == shard}, str(model_dir / shard))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return tensors, weight_map
+
+
+def test_sharded_weights_load_from_the_shard_the_index_names(model_dir):
+    """A tensor also in another shard was taken from whichever shard came last (a different
+    model, silently); a shard the index leaves out was blamed on config.json's layer count."""
+    from tailtamer.model.io import load_model
+
+    reference = load_model(model_dir).state_dict()
+    tensors, weight_map = _shard(model_dir)
+    assert all(torch.equal(v, reference[k]) for k, v in load_model(model_dir).state_dict().items())
+    first = next(k for k, v in weight_map.items() if v.startswith("model-00001"))
+    second = "model-00002-of-00002.safetensors"
+    stray = {**load_file(str(model_dir / second)), first: torch.zeros_like(tensors[first])}
+    save_file(stray, str(model_dir / second))
+    with pytest.raises(CheckpointError, match=f"index.json: its weight_map does not match {second}: {second} holds "
+                                              f"{first}, mapped to another shard"):
+        load_model(model_dir)
+    save_file({k: v for k, v in stray.items() if k != first}, str(model_dir / second))
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in weight_map.items() if v != second}  # one shard left out
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"but model.safetensors.index.json holds \d+ layer"):
+        load_model(model_dir)
+
+
 @pytest.mark.parametrize("changes,message", [({"num_hidden_layers": 3}, "num_hidden_layers 1"),
                                              ({"rope_theta": 5.0}, "rope_theta"),
                                              ({"architectures": ["LlamaForCausalLMEagle"]}, "architecture")])

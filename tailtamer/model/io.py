@@ -117,10 +117,27 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            tensors.update(load_file(str(f)))
+            shard = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+        if f != single:  # each tensor from the shard the index names (a stray copy elsewhere would win by order)
+            elsewhere = [k for k in shard if weight_map.get(k, f.name) != f.name]
+            absent = [k for k, v in weight_map.items() if v == f.name and k not in shard]
+            if elsewhere or absent:
+                raise CheckpointError(f"{index}: its weight_map does not match {f.name}: " + "; ".join(
+                    what for what in (elsewhere and f"{f.name} holds {', '.join(elsewhere[:3])}, mapped to another "
+                                                    f"shard", absent and f"{f.name} lacks {', '.join(absent[:3])}")
+                    if what))
+        tensors.update(shard)
     return tensors
+
+
+def weights_source(model_dir: Path) -> Path:
+    """The file that names a model directory's weights in errors: model.safetensors, or the
+    index of a sharded checkpoint."""
+    single = model_dir / "model.safetensors"
+    return single if single.is_file() or not (model_dir / "model.safetensors.index.json").is_file() \
+        else model_dir / "model.safetensors.index.json"
 
 
 # Buffers some older checkpoints carry, which a model recomputes.
@@ -186,7 +203,7 @@ def load_pretrained(model_dir: str | Path, dtype: str | torch.dtype = "float32",
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
     model_dir, dtype = Path(model_dir), parse_dtype(dtype)
     cfg, generation = read_configs(model_dir)
-    model = model_from_hf_state(cfg, read_safetensors(model_dir), dtype, device, model_dir / "model.safetensors",
+    model = model_from_hf_state(cfg, read_safetensors(model_dir), dtype, device, weights_source(model_dir),
                                 model_dir / "config.json")
     model.generation_config = generation
     return model
