@@ -249,13 +249,21 @@ def test_unusable_prompt_rows(model_dir, tmp_path, capsys, line, message):
     _one_line_error(capsys, f"p.jsonl:2: {message}", code)
 
 
-def test_a_broken_chat_template_names_the_row(model_dir, tmp_path, capsys):
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{{ messages[0].content / 0 }}"
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+def test_a_broken_chat_template_names_the_row_and_its_file(model_dir, tmp_path, capsys):
+    """A template that fails on a row names both; one that does not parse (whatever the row) was
+    blamed on the prompts file's first row: it names the model's file alone."""
+    config_path, jinja = model_dir / "tokenizer_config.json", model_dir / "chat_template.jinja"
+    config = json.loads(config_path.read_text())
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    for template, message in (("{{ messages[0].content / 0 }}", f"p.jsonl:1: chat template error ({config_path}): "),
+                              ("{% for m in messages %}{{ m.content }", f"error: {config_path}: its chat template "
+                                                                        f"does not parse (TemplateSyntaxError")):
+        config_path.write_text(json.dumps({**config, "chat_template": template}))
+        code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")])
+        _one_line_error(capsys, message, code)
+    jinja.write_text("{{ messages[0].content }")  # transformers' own file wins over the config's
     code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")])
-    _one_line_error(capsys, "p.jsonl:1: chat template error", code)
+    _one_line_error(capsys, f"error: {jinja}: its chat template does not parse", code)
 
 
 def test_named_chat_templates_and_checked_tokenizer_config(model_dir):

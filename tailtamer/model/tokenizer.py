@@ -34,10 +34,12 @@ class Tokenizer:
     """A `tokenizers.Tokenizer` plus the fields of `tokenizer_config.json` tailtamer uses (the
     chat template from `chat_template.jinja` when there is one, as transformers reads it)."""
 
-    def __init__(self, backend: HFTokenizer, config: dict | None = None):
+    def __init__(self, backend: HFTokenizer, config: dict | None = None, template_source: Path | None = None):
         self.backend = backend
         self.config = dict(config or {})
         self.chat_template: str | None = self.config.get("chat_template")
+        # the file the template came from, which an error in the template itself names
+        self.template_source = template_source
 
     # Special tokens may be given as strings or as {"content": ...} dicts (older configs).
     def _special(self, name: str) -> str | None:
@@ -80,10 +82,15 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise DataError("this tokenizer has no chat_template, so `messages` prompts cannot be formatted")
+        try:
+            _compile_template(self.chat_template)
+        except Exception as e:  # the model's file is wrong, whatever the row
+            raise CheckpointError(f"{self.template_source or 'the tokenizer'}: its chat template does not parse "
+                                  f"({type(e).__name__}: {e})") from None
         return render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-            pad_token=self.pad_token or "",
+            pad_token=self.pad_token or "", source=self.template_source,
         )
 
     def save(self, out_dir: str | Path) -> None:
@@ -116,14 +123,19 @@ def _compile_template(template: str):
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
-                         **special_tokens: str) -> str:
+                         source: Path | None = None, **special_tokens: str) -> str:
+    """The template rendered for `messages`. What the template raises (`raise_exception`: the
+    messages break its rules) is the row's error; any other failure of the template's code
+    (undefined names, the sandbox, arithmetic) names its file (`source`) too, as either may be
+    at fault."""
     try:
         return _compile_template(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens)
     except DataError:
         raise
     except Exception as e:  # the template is the model's code: syntax, undefined names, sandbox, arithmetic
-        raise DataError(f"chat template error: {type(e).__name__}: {e}") from None
+        where = f" ({source})" if source is not None else ""
+        raise DataError(f"chat template error{where}: {type(e).__name__}: {e}") from None
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -146,12 +158,14 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         config = _checked_config(config, config_path)
     # transformers >= 4.43 saves the template as a file of its own, which wins over the config's
     template_path = model_dir / "chat_template.jinja"
+    source = config_path if config.get("chat_template") else None
     if template_path.is_file():
         try:
             config["chat_template"] = template_path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise CheckpointError(f"{template_path}: not UTF-8 text ({e})") from None
-    return Tokenizer(backend, config)
+        source = template_path
+    return Tokenizer(backend, config, source)
 
 
 def _checked_config(config, path: Path) -> dict:
