@@ -298,6 +298,7 @@ def _edit_config(model_dir, **changes):
 @pytest.mark.parametrize("changes,message", [
     ({"eos_token_id": 100000}, "must be token ids"),
     ({"rms_norm_eps": -1}, "rms_norm_eps must be a finite number > 0"),
+    ({"max_position_embeddings": 2 ** 31 - 1}, "config.json: max_position_embeddings must be at most 16,777,216"),
     ({"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_theta must be a finite"),
     ({"architectures": [["Qwen2ForCausalLM"]]}, "architectures must be a list of names"),
     ({"vocab_size": 10 ** 30}, "vocab_size must be a positive integer below 2**31"),

@@ -22,6 +22,11 @@ ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen
 ROPE_TYPES = ("default", "llama3")
 
 
+# The rotary table is built for every position of the context (model/transformer.py): 2**24
+# positions of a 128-wide head are 17 GB; the longest contexts of released models are ~10M.
+MAX_POSITIONS = 2 ** 24
+
+
 @dataclass(frozen=True)
 class Llama3RopeScaling:
     """`rope_type: llama3` parameters (frozen and hashable: rotary tables are cached by them).
@@ -89,6 +94,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2 ** 31:
                 raise ConfigError(f"{name} must be a positive integer below 2**31, got {value!r}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ConfigError(f"max_position_embeddings must be at most {MAX_POSITIONS:,} (2**24), longer than any "
+                              f"model's context: the rotary table holds that many positions; got "
+                              f"{self.max_position_embeddings:,}")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
