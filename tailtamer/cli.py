@@ -120,11 +120,20 @@ def fresh_output_dir(path: str, flag: str, ours: tuple[str, ...] = (), inputs: d
         raise TailtamerError(f"{flag} is empty; give a directory to create")
     p = Path(path)
     _clear_of_inputs(p, flag, path, inputs, "would write into")
-    if p.is_file():
-        raise TailtamerError(f"{flag} {path} is a file; give a directory to create")
+    if p.exists() and not p.is_dir():
+        raise TailtamerError(f"{flag} {path} is {'a file' if p.is_file() else 'not a directory'}; give a directory "
+                             f"to create")
     if p.is_dir() and any(child.name not in ours for child in p.iterdir()):
         raise TailtamerError(f"{flag} {path} already exists and is not empty; give a new directory")
     _writable_dir(p, flag, path)
+
+
+def nonempty(text: str) -> str:
+    """argparse type of a path or name: `--model=` (an empty value) is refused, where it would
+    otherwise read as the current directory or be dropped for the default."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty; give a value")
+    return text
 
 
 def seed(text: str) -> int:
@@ -467,8 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="sample completions for a prompts file")
-    g.add_argument("--model", required=True, help="HF-format model directory")
-    g.add_argument("--prompts", required=True, help='JSONL, rows {"prompt": str} or {"messages": [...]}')
+    g.add_argument("--model", type=nonempty, required=True, help="HF-format model directory")
+    g.add_argument("--prompts", type=nonempty, required=True, help='JSONL, rows {"prompt": str} or {"messages": [...]}')
     g.add_argument("--out", required=True, help="output JSONL, one row per sample")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -487,13 +496,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="tailtamer", choices=["tailtamer", "vllm"],
                    help="the engine: tailtamer (embedded) or vllm (in the environment `make vllm-env` creates)")
     g.add_argument("--spec", default="off", choices=["off", "on", "adaptive"], help="speculative decoding")
-    g.add_argument("--strategy", help="--spec on (or --tuner fixed): the draft tree, DEPTH_TOPK_VERIFY (EAGLE), "
+    g.add_argument("--strategy", type=nonempty, help="--spec on (or --tuner fixed): the draft tree, DEPTH_TOPK_VERIFY (EAGLE), "
                    "D_K_N@C (drafted as deep as the drafter is confident), sD_K_N (the suffix drafter) or D_K_N+sM "
                    "(M suffix drafts fused into the EAGLE tree); default 4_2_8, with --drafter suffix s8_2_9, with "
                    "--backend vllm 4_1_5")
     g.add_argument("--strategies", nargs="+", metavar="ARM", help="--spec adaptive: the bandit's arms, written as "
                    "--strategy (default: spec.strategies' default for the drafter and backend, docs/config.md)")
-    g.add_argument("--drafter", help="EAGLE drafter directory, or 'suffix' (model-free: siblings and the request's own "
+    g.add_argument("--drafter", type=nonempty, help="EAGLE drafter directory, or 'suffix' (model-free: siblings and the request's own "
                                      "text); with --backend vllm 'ngram' (vLLM's prompt lookup)")
     g.add_argument("--bs-threshold", type=int, default=SpecConfig().bs_threshold,
                    help="adaptive: speculate once at most this many requests are running (default: "
@@ -506,10 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     dr = sub.add_parser("drafter", help="drafter tools")
     dsub = dr.add_subparsers(dest="drafter_command", required=True, parser_class=_Parser)
     dt = dsub.add_parser("train", help="offline warm-up of an EAGLE drafter on the target's hidden states")
-    dt.add_argument("--model", required=True, help="target model directory")
-    dt.add_argument("--data", required=True, help="JSONL with 'text' (or 'prompt' + 'response'), or 'builtin'")
+    dt.add_argument("--model", type=nonempty, required=True, help="target model directory")
+    dt.add_argument("--data", type=nonempty, required=True, help="JSONL with 'text' (or 'prompt' + 'response'), or 'builtin'")
     dt.add_argument("--out", required=True, help="drafter directory to write")
-    dt.add_argument("--init", help="continue from this drafter directory")
+    dt.add_argument("--init", type=nonempty, help="continue from this drafter directory")
     dt.add_argument("--steps", type=int, help=f"optimizer steps (default {DrafterTrainConfig().steps})")
     dt.add_argument("--lr", type=float, help=f"peak AdamW learning rate (default {DrafterTrainConfig().lr})")
     dt.add_argument("--seed", type=seed, help="data order and initialisation")
@@ -532,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--preset", required=True)
     i.add_argument("--out", required=True)
     i.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
-    i.add_argument("--tokenizer", help="directory with tokenizer.json (default: the built-in character tokenizer)")
+    i.add_argument("--tokenizer", type=nonempty, help="directory with tokenizer.json (default: the built-in character tokenizer)")
     i.add_argument("--seed", type=seed, default=0)
     i.set_defaults(func=cmd_init_model)
 
@@ -547,13 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=int, default=64, help="how many built-in task prompts (a count, not a file)")
     d.add_argument("--n", type=int, default=8, help="samples per prompt")
     d.add_argument("--seed", type=seed, default=0, help="which prompts, and the sampling streams")
-    d.add_argument("--model", help="model directory (default: the built-in base model)")
+    d.add_argument("--model", type=nonempty, help="model directory (default: the built-in base model)")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks; prints a JSON report of ratios")
     b.add_argument("what", choices=["decode", "sd", "rollout", "train", "profile"])
-    b.add_argument("--model", help="model directory (default: the built-in base model)")
-    b.add_argument("--drafter", help="sd, rollout, profile: the EAGLE drafter of --model (needed with it)")
+    b.add_argument("--model", type=nonempty, help="model directory (default: the built-in base model)")
+    b.add_argument("--drafter", type=nonempty, help="sd, rollout, profile: the EAGLE drafter of --model (needed with it)")
     b.add_argument("--preset", help="benchmark a random model of this preset size instead")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")
     b.add_argument("--new-tokens", type=int, help="decode: tokens per sequence (default 64)")

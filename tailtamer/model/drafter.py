@@ -165,7 +165,8 @@ def save_drafter(drafter: Drafter, out_dir: str | Path) -> None:
 def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
     drafter_dir = Path(drafter_dir)
     if not drafter_dir.is_dir():
-        raise CheckpointError(f"{drafter_dir}: drafter directory not found")
+        raise CheckpointError(f"{drafter_dir}: " + ("a file; a drafter is a directory" if drafter_dir.exists()
+                                                    else "drafter directory not found"))
     path = drafter_dir / "config.json"
     raw = read_json(path, "config.json")
     arch = (raw.get("architectures") or [None])[0]

@@ -143,7 +143,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     check_model_dir(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
-        raise CheckpointError(f"{path}: tokenizer.json not found")
+        raise CheckpointError(f"{path}: " + ("not a file" if path.exists() else "tokenizer.json not found"))
     try:
         backend = HFTokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on parse errors
