@@ -306,7 +306,9 @@ def cmd_drafter_train(args) -> None:
         raise TailtamerError(f"--no-fc-bias: --init {args.init}'s drafter has an fc bias, which training keeps; "
                              f"leave out --init to train a drafter without one")
     try:
-        drafter, info = train_drafter(model, encode_texts(tokenizer, texts, cfg.max_len), cfg, drafter=start)
+        # cut to the target's context too: positions past it have no meaning for the target
+        seqs = encode_texts(tokenizer, texts, min(cfg.max_len, model.config.max_position_embeddings))
+        drafter, info = train_drafter(model, seqs, cfg, drafter=start)
     except DataError as e:  # about the texts: name where they came from
         raise DataError(f"--data {args.data}: {e}") from None
 

@@ -205,6 +205,25 @@ def test_drafter_train_bad_data(model_dir, tmp_path, capsys):
     assert "d.jsonl:2: need a string 'text'" in capsys.readouterr().err
 
 
+def test_drafter_train_cuts_texts_to_the_targets_context(model_dir, tmp_path, monkeypatch):
+    """Texts were cut at drafter training's 512 tokens whatever the target's context: a model of
+    a 16-token context was trained on its positions 16 and beyond."""
+    import tailtamer.drafter.train as drafter_train
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    data = _write(tmp_path / "d.jsonl", [json.dumps({"text": "1+2+3+4+5+6+7+8+9=45 " * 4})])
+    seen = []
+
+    def capture(model, seqs, cfg, **kwargs):
+        seen.extend(seqs)
+        raise KeyboardInterrupt  # nothing to train: the sequences are what this test reads
+
+    monkeypatch.setattr(drafter_train, "train_drafter", capture)
+    assert main(["drafter", "train", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o")]) == 130
+    assert [len(s) for s in seen] == [16]
+
+
 def _broken_model(model_dir, tmp_path, how):
     """A copy of the test model broken in one way."""
     import shutil
