@@ -54,7 +54,7 @@ def _absolute_reward(spec):
 
 
 # The fields naming files a run reads, and the values of each that are names, not paths.
-PATH_FIELDS = {("run", "model"): (), ("data", "train"): ("builtin",), ("data", "eval"): (),
+PATH_FIELDS = {("run", "model"): (), ("data", "train"): ("builtin",), ("data", "eval"): ("builtin",),
                ("spec", "drafter"): ("builtin", "ngram", "suffix")}
 
 

@@ -239,3 +239,19 @@ def test_built_in_prompts_too_long_for_the_model_are_skipped_and_counted():
     assert train == [r for r in everything if len(r["prompt_ids"]) <= limit]  # the same problems, in order
     with pytest.raises(DataError, match=r"data.train=builtin: every prompt is longer than 2 tokens"):
         datasets(cfg, tokenizer, 2, print)
+
+
+def test_data_eval_builtin_is_the_held_out_built_in_problems(tmp_path, monkeypatch):
+    """data.eval=builtin was taken for a file of that name in the working directory."""
+    from tailtamer.rl.data import datasets
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer = char_tokenizer()
+    _, default_evals, _ = datasets(load_train_config(None, ["data.n_eval=8"]), tokenizer, 1000, print)
+    data = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=?", "answer": str(i + 1)} for i in range(40)])
+    cfg = load_train_config(None, [f"data.train={data}", "data.eval=builtin", "data.n_eval=8"])
+    assert cfg.data.eval == "builtin"
+    logs = []
+    train_rows, evals, _ = datasets(cfg, tokenizer, 1000, logs.append)
+    assert len(train_rows) == 40 and not logs  # nothing held out of the file
+    assert evals == default_evals and len(evals) == 8

@@ -233,7 +233,8 @@ def check_builtin_fits(cfg, available: int | None) -> None:
 
     if cfg.data.train != "builtin" or available is None:
         return
-    counts = {"data.n_builtin": cfg.data.n_builtin, "data.n_eval": cfg.data.n_eval if cfg.data.eval is None else 0}
+    counts = {"data.n_builtin": cfg.data.n_builtin,
+              "data.n_eval": cfg.data.n_eval if cfg.data.eval in (None, "builtin") else 0}
     need = sum(counts.values()) * BUILTIN_ROW_BYTES
     if need > available:
         field = max(counts, key=counts.get)
@@ -244,21 +245,18 @@ def check_builtin_fits(cfg, available: int | None) -> None:
 def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
     """(train rows, eval rows, prompts skipped as longer than `limit` tokens) for a
     TrainConfig's data section: the built-in task's problems, or the files'."""
-    if cfg.data.train == "builtin":
-        task, evals = ArithmeticTask(), None
+    task = ArithmeticTask()
 
-        def rows(problems):
-            return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
+    def rows(problems):
+        return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
+
+    evals = []
+    if cfg.data.train == "builtin":
         # as a file's: a prompt over the limit is skipped and counted (a model of tiny context)
         train, skipped = fitting(rows(task.problems(cfg.data.n_builtin, seed=cfg.run.seed + 17)), limit,
                                  "data.train=builtin")
-        if cfg.data.eval is None:
-            evals, more = fitting(rows(task.problems(cfg.data.n_eval, seed=HELD_OUT_SEED)), limit,
-                                  "data.eval (the held-out built-in problems)")
-            skipped += more
     else:
         train, skipped = load_task_rows(cfg.data.train, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
-        evals = []
         held = held_out_count(cfg, len(train))
         if held:
             train, evals = held_out_split(train, held, cfg.run.seed)
@@ -268,7 +266,11 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
         elif cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
             log(f"data.eval not given and {cfg.data.train} has {len(train)} prompts, too few to hold a tenth out: "
                 f"no held-out evaluation (give data.eval=FILE)")
-    if cfg.data.eval is not None:
+    if cfg.data.eval == "builtin" or (cfg.data.eval is None and cfg.data.train == "builtin"):
+        evals, more = fitting(rows(task.problems(cfg.data.n_eval, seed=HELD_OUT_SEED)), limit,
+                              "data.eval (the held-out built-in problems)")
+        skipped += more
+    elif cfg.data.eval is not None:
         evals, more = load_task_rows(cfg.data.eval, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         skipped += more
     return train, evals[: cfg.data.n_eval], skipped
