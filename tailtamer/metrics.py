@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -17,33 +18,52 @@ from tailtamer.atomic import atomic_write_text
 from tailtamer.errors import ConfigError
 
 
-class JsonlLogger:
-    """One JSON row per RL step, flushed at once so a killed run keeps every finished step."""
+class Rows:
+    """An append-only JSONL file whose rows are written whole or not at all: unbuffered, each
+    append one write (a killed run keeps every finished row), and one that fails (a full disk)
+    cut back off, so no torn row is left and closing has nothing left to flush."""
 
-    def __init__(self, run_dir: Path, cfg_dict: dict):
-        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+    def __init__(self, path: Path):
+        self.file = open(path, "ab", buffering=0)
 
-    def log(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+    def append(self, rows: list[dict]) -> None:
+        data = memoryview("".join(json.dumps(row) + "\n" for row in rows).encode())
+        end = self.file.seek(0, os.SEEK_END)
+        try:
+            while data:
+                data = data[self.file.write(data):]
+        except OSError:
+            self.file.truncate(end)
+            raise
 
     def close(self) -> None:
         self.file.close()
+
+
+class JsonlLogger:
+    """metrics.jsonl: one JSON row per RL step."""
+
+    def __init__(self, run_dir: Path, cfg_dict: dict):
+        self.rows = Rows(run_dir / "metrics.jsonl")
+
+    def log(self, row: dict) -> None:
+        self.rows.append([row])
+
+    def close(self) -> None:
+        self.rows.close()
 
 
 class SamplesLogger:
     """samples.jsonl: what the model wrote, a row per logged sample with its step."""
 
     def __init__(self, run_dir: Path, cfg_dict: dict):
-        self.file = open(run_dir / "samples.jsonl", "a", encoding="utf-8")
+        self.rows = Rows(run_dir / "samples.jsonl")
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        for sample in samples:
-            self.file.write(json.dumps({"step": step, **sample}) + "\n")
-        self.file.flush()
+        self.rows.append([{"step": step, **sample} for sample in samples])
 
     def close(self) -> None:
-        self.file.close()
+        self.rows.close()
 
 
 def samples_markdown(samples: list[dict]) -> str:
@@ -167,13 +187,21 @@ def check_loggers(names: tuple[str, ...]) -> None:
 
 
 class RunLog:
-    """Fans a step's row out to metrics.jsonl, the named loggers, and the console."""
+    """Fans a step's row out to metrics.jsonl, the named loggers, and the console. A named
+    logger that fails to start stops the run before its first step; one that fails later
+    (a lost connection, a full quota) is said once and dropped: the run, its metrics.jsonl and
+    its checkpoints go on."""
 
     def __init__(self, run_dir: Path, names: tuple[str, ...], cfg_dict: dict, steps: int, first_step: int,
                  console: Callable[[str], None] | None):
-        loggers = [LOGGERS[n][0](run_dir, cfg_dict, first_step) for n in names]
-        self.sinks = [JsonlLogger(run_dir, cfg_dict)] + loggers
-        self.sample_sinks = [SamplesLogger(run_dir, cfg_dict)] + loggers
+        self.loggers = {}
+        for name in names:
+            try:
+                self.loggers[name] = LOGGERS[name][0](run_dir, cfg_dict, first_step)
+            except Exception as e:  # the logger's own error (W&B not logged in, say), not the run's
+                raise ConfigError(f"run.loggers: {name} did not start ({type(e).__name__}: {e}); fix it, or "
+                                  f"leave {name} out of run.loggers") from None
+        self.metrics, self.samples = JsonlLogger(run_dir, cfg_dict), SamplesLogger(run_dir, cfg_dict)
         self.steps = steps
         self.bar = None
         self.console = console
@@ -184,21 +212,31 @@ class RunLog:
             self.console = self.bar.write
 
     def log(self, row: dict, samples: list[dict] = ()) -> None:
-        for sink in self.sinks:
-            sink.log(row)
+        self.metrics.log(row)
         if samples:
-            for sink in self.sample_sinks:
-                sink.log_samples(row["step"], samples)
+            self.samples.log_samples(row["step"], samples)
+        for name, logger in list(self.loggers.items()):
+            self._guarded(name, "log", lambda: (logger.log(row), samples and logger.log_samples(row["step"], samples)))
         self.console(console_line(row, self.steps))
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{row['step_s']:.1f}")
 
+    def _guarded(self, name: str, what: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except Exception as e:
+            del self.loggers[name]
+            self.console(f"run.loggers: {name} failed to {what} ({type(e).__name__}: {e}); it is dropped for the "
+                         f"rest of the run (metrics.jsonl has every step)")
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        for sink in [self.sample_sinks[0]] + self.sinks:
-            sink.close()
+        self.samples.close()
+        self.metrics.close()
+        for name, logger in list(self.loggers.items()):
+            self._guarded(name, "close", logger.close)
 
 
 def console_line(row: dict, steps: int) -> str:

@@ -1,0 +1,90 @@
+"""metrics.jsonl, samples.jsonl and the named loggers when writes or loggers fail: rows are whole
+or absent, and a logger's failure never costs the run."""
+
+import errno
+import json
+
+import pytest
+
+from tailtamer import metrics
+from tailtamer.errors import ConfigError
+from tailtamer.metrics import Rows, RunLog
+
+
+class _Full:
+    """A file on a disk that fills up halfway through the next write."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def seek(self, *args):
+        return self.real.seek(*args)
+
+    def write(self, data):
+        self.real.write(bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def truncate(self, size):
+        return self.real.truncate(size)
+
+    def close(self):
+        self.real.close()
+
+
+def test_a_row_the_disk_cannot_take_is_cut_back_off(tmp_path):
+    """A full disk left metrics.jsonl ending in half a row (and closing the file raised again)."""
+    rows = Rows(tmp_path / "metrics.jsonl")
+    rows.append([{"step": 1}])
+    rows.file = _Full(rows.file)
+    with pytest.raises(OSError, match="No space left"):
+        rows.append([{"step": 2, "reward": 0.5}])
+    rows.close()  # nothing buffered: closing writes nothing
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+ROW = {"step": 1, "reward_mean": 0.0, "accuracy": 0.0, "response_len_p50": 1, "response_len_max": 1, "rollout_s": 0.1,
+       "train_s": 0.1, "step_s": 0.2}
+
+
+class _Logger:
+    fail = ""  # which call raises: init, log or close
+    rows: list = []
+
+    def __init__(self, run_dir, cfg_dict, first_step):
+        if self.fail == "init":
+            raise RuntimeError("api_key not configured (no-tty)")
+
+    def log(self, row):
+        if self.fail == "log" and row["step"] == 2:
+            raise ConnectionError("lost")
+        self.rows.append(row["step"])
+
+    def log_samples(self, step, samples):
+        pass
+
+    def close(self):
+        if self.fail == "close":
+            raise RuntimeError("finish failed")
+
+
+@pytest.mark.parametrize("fail", ["init", "log", "close"])
+def test_a_logger_that_fails_stops_the_run_only_before_it_starts(tmp_path, monkeypatch, fail):
+    """W&B's errors reached the user as tracebacks: not logged in at the start, a lost
+    connection mid-run (the run died), a failing finish (no summary.json or plots)."""
+    monkeypatch.setitem(metrics.LOGGERS, "fake", (_Logger, "json"))
+    monkeypatch.setattr(_Logger, "fail", fail)
+    monkeypatch.setattr(_Logger, "rows", [])
+    lines = []
+    if fail == "init":
+        with pytest.raises(ConfigError, match=r"^run.loggers: fake did not start \(RuntimeError: api_key not "
+                                              r"configured \(no-tty\)\); fix it, or leave fake out of run.loggers$"):
+            RunLog(tmp_path, ("fake",), {}, 3, 0, lines.append)
+        return
+    log = RunLog(tmp_path, ("fake",), {}, 3, 0, lines.append)
+    for step in (1, 2, 3):
+        log.log({**ROW, "step": step})
+    log.close()
+    notices = [line for line in lines if line.startswith("run.loggers: fake failed")]
+    assert len(notices) == 1 and "dropped for the rest of the run" in notices[0]
+    assert _Logger.rows == ([1] if fail == "log" else [1, 2, 3])
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
