@@ -31,7 +31,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        cause = _disk_error(e, path.parent)  # while the partial file still takes its space
+        cause = _disk_error(e, path.parent, Path(tmp))  # while the partial file still takes its space
         if os.path.exists(tmp):
             os.unlink(tmp)
         if cause is not None:
@@ -42,16 +42,27 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
 PROBE_BYTES = 1 << 20
 
 
-def _disk_error(e: BaseException, directory: Path) -> OSError | None:
+def _disk_error(e: BaseException, directory: Path, partial: Path | None = None) -> OSError | None:
     """The OSError behind a library's failed write that is no OSError: safetensors names its
-    errno ("... (os error 28)"), torch.save only says its stream failed, so then a write of
-    PROBE_BYTES into the same directory says whether the disk takes any more. None: `e` is
-    an OSError already, or not about the disk."""
+    errno ("... (os error 28)"), torch.save only says its stream failed, so then one more byte
+    appended to what was written (`partial`, a file or the largest file of a directory: a
+    per-file size limit, EFBIG, stops only the file at it) and a write of PROBE_BYTES into the
+    same directory say whether the disk takes any more. None: `e` is an OSError already, or not
+    about the disk."""
     if isinstance(e, OSError) or not isinstance(e, Exception):
         return None
     found = re.search(r"\(os error (\d+)\)", str(e))
     if found:
         return OSError(int(found[1]), os.strerror(int(found[1])))
+    files = [partial] if partial is not None and partial.is_file() else \
+        [f for f in partial.rglob("*") if f.is_file()] if partial is not None and partial.is_dir() else []
+    if files:
+        try:
+            with open(max(files, key=lambda f: f.stat().st_size), "ab") as f:
+                f.write(b"\0")
+                f.flush()
+        except OSError as probe:
+            return probe
     try:
         with tempfile.TemporaryFile(dir=directory) as f:
             f.write(bytes(PROBE_BYTES))
@@ -117,7 +128,7 @@ def write_dir(final: Path, write: Callable[[Path], None], existing: str = "empty
             shutil.rmtree(final)
         os.rename(tmp, final)  # onto an empty directory too; a non-empty one is an OSError
     except BaseException as e:
-        cause = _disk_error(e, final.parent)
+        cause = _disk_error(e, final.parent, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         if cause is not None:
             raise cause from e

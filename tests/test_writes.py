@@ -1,8 +1,11 @@
-"""metrics.jsonl, samples.jsonl and the named loggers when writes or loggers fail: rows are whole
-or absent, and a logger's failure never costs the run."""
+"""Writes that fail: metrics.jsonl and samples.jsonl rows are whole or absent, a logger's failure
+never costs the run, and a checkpoint's failed write names its cause."""
 
 import errno
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -88,3 +91,21 @@ def test_a_logger_that_fails_stops_the_run_only_before_it_starts(tmp_path, monke
     assert len(notices) == 1 and "dropped for the rest of the run" in notices[0]
     assert _Logger.rows == ([1] if fail == "log" else [1, 2, 3])
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_file_size_limit_is_named_as_the_disk_error_it_is(tmp_path):
+    """Under a per-file size limit (`ulimit -f`, a quota) torch.save failed with "unexpected
+    pos", a traceback: the probe of the disk wrote 1 MiB elsewhere, which fit."""
+    script = textwrap.dedent(f"""
+        import resource, torch
+        from pathlib import Path
+        from tailtamer.atomic import write_dir
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        try:
+            write_dir(Path({str(tmp_path / "ckpt")!r}), lambda tmp: torch.save(torch.zeros(1 << 19), tmp / "o.pt"))
+        except OSError as e:
+            print("errno", e.errno)
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == f"errno {errno.EFBIG}", out.stdout + out.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []  # the partial checkpoint is gone
