@@ -39,6 +39,15 @@ def test_a_run_name_belongs_to_one_run(toy, tmp_path):
     assert (tmp_path / "runs" / "mine" / "metrics.jsonl").read_text() == before  # untouched
 
 
+def test_a_run_name_the_file_system_refuses_is_one_line(toy, tmp_path):
+    """A name longer than a file name may be raised OSError (ENAMETOOLONG) from the claim's
+    checks, a traceback, once run.out_dir existed."""
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ConfigError, match=r"^cannot claim the run directory .*x{256} \(File name too long; "
+                                          r"run.out_dir=.*runs run.name=x{256}\)$"):
+        _train(toy, "run.steps=1", "run.name=" + "x" * 256)
+
+
 def test_a_run_killed_before_its_first_step_gives_its_name_back(toy, tmp_path):
     """SIGTERM or SIGKILL in step 1 leaves the config (naming the run) and an empty metrics
     file, no checkpoint: a resume says to start anew, and the same name then starts over in

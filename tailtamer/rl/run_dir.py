@@ -128,7 +128,16 @@ def _taken(path: Path) -> str:
 
 def claim_run_dir(cfg, resume: Path | None):
     """(cfg with run.name resolved, RunDirLock) for a fresh run or a resume; a ConfigError
-    naming `--resume` and `run.name` when the directory belongs to another run."""
+    naming `--resume` and `run.name` when the directory belongs to another run, and the path
+    when the file system refuses it (a name too long, a directory without permission)."""
+    try:
+        return _claim(cfg, resume)
+    except OSError as e:
+        where = f"--resume {resume}" if resume is not None else f"run.out_dir={cfg.run.out_dir} run.name={cfg.run.name}"
+        raise ConfigError(f"cannot claim the run directory {e.filename or ''} ({e.strerror or e}; {where})") from None
+
+
+def _claim(cfg, resume: Path | None):
     if resume is not None:
         if not resume.is_dir():
             raise ConfigError(f"--resume {resume}: no such run directory")
