@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tailtamer.device import collective_backend
-from tailtamer.errors import TailtamerError
+from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.stopping import Interrupted, StopRequest, exit_with_parent
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
@@ -55,12 +55,27 @@ class Workers:
     def from_env(cls, timeout_s: float, device: torch.device = torch.device("cpu")) -> "Workers":
         """Join the group described by the torchrun-style environment (one worker without it),
         over NCCL when this worker runs on a GPU, gloo otherwise."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+        try:
+            world = int(env["WORLD_SIZE"] or "1")
+            rank = int(env["RANK"]) if world != 1 else 0
+        except (TypeError, ValueError):
+            raise ConfigError(f"the environment sets WORLD_SIZE={env['WORLD_SIZE']} and RANK={env['RANK']}: a worker "
+                              f"of a torchrun group needs both as integers (and MASTER_ADDR, MASTER_PORT); unset "
+                              f"WORLD_SIZE to run on this machine alone (run.workers)") from None
         if world == 1:
             return cls(device=device)
-        rank = int(os.environ["RANK"])
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env[k]]
+        if missing:
+            raise ConfigError(f"the environment sets WORLD_SIZE={world} but not {' or '.join(missing)}: a worker of a "
+                              f"torchrun group needs them; unset WORLD_SIZE to run on this machine alone")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        try:
+            store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        except (RuntimeError, ValueError) as e:  # DistStoreError (a timeout) is a RuntimeError
+            raise WorkerError(f"worker {rank} of {world} could not join the group at {env['MASTER_ADDR']}:"
+                              f"{env['MASTER_PORT']} within run.dist_timeout_s={timeout_s:g} s "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         store.set_timeout(timeout)
         dist.init_process_group(collective_backend(device), store=dist.PrefixStore("pg", store), rank=rank,
                                 world_size=world, timeout=timeout)

@@ -281,6 +281,27 @@ def test_a_stop_passed_on_by_the_launcher_is_named_as_the_launcher_received_it()
     assert after.stopped_by("SIGTERM") is after
 
 
+def test_a_torchrun_environment_that_is_incomplete_or_alone_is_one_line(monkeypatch):
+    """A stray WORLD_SIZE raised KeyError: 'RANK'; a group whose other workers never came
+    ended in DistStoreError's traceback."""
+    from tailtamer.dist import _free_port
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=r"^the environment sets WORLD_SIZE=2 and RANK=None: .*unset WORLD_SIZE"):
+        Workers.from_env(5)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ConfigError, match=r"sets WORLD_SIZE=2 but not MASTER_ADDR: "):
+        Workers.from_env(5)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    with pytest.raises(WorkerError, match=r"^worker 0 of 2 could not join the group at 127.0.0.1:\d+ within "
+                                          r"run.dist_timeout_s=2 s"):
+        Workers.from_env(2)
+
+
 def test_a_worker_error_is_reported_with_its_message(toy, tmp_path):
     cfg = load_train_config(None, toy + ["run.steps=1", "run.workers=2", "rl.reward=no_such_module:f"])
     with pytest.raises(WorkerError, match=r"worker \d: .*no_such_module"):
