@@ -417,6 +417,23 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers, 
     assert json.loads((run / "summary.json").read_text())["finished"] is False
 
 
+def test_a_stop_during_the_evaluation_before_the_first_step_ends_the_run_at_once(toy, tmp_path):
+    """SIGTERM in the start-up evaluation was taken as 'stop after this step': the run went on
+    through the evaluation, step 1 and its evaluation (with 100,000 held-out prompts, minutes)."""
+    run = tmp_path / "runs" / "ev"
+    proc = _cli_train(toy + ["run.name=ev", "run.steps=3", "run.eval_every=1", "data.eval=builtin",
+                             "data.n_eval=30000"], tmp_path)
+    deadline = time.time() + 120
+    while not (run / "config.yaml").is_file():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    time.sleep(1.0)  # into the evaluation
+    os.kill(proc.pid, signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "Traceback" not in err and "after step" not in err, err
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+
+
 def test_more_workers_than_prompts_is_a_startup_error(toy, monkeypatch):
     from tailtamer.dist import Workers
     from tailtamer.rl.run_state import setup

@@ -450,13 +450,13 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
     # steps after the checkpoint that the resume drops from metrics.jsonl)
     t0, first_step = time.perf_counter(), s.step
     out, reported, completed, hurry = None, set(), False, False
+    if pace.paced and s.step:  # its turns count from step 0
+        raise ConfigError(f"a paced run starts at step 0 (this one resumes at step {s.step})")
+    evaluates = cfg.run.eval_every and s.eval_rows
+    if s.step == 0 and evaluates:  # before the first step: a stop ends the run at once, with nothing to save
+        s.eval_at_start = evaluate_greedy(s)
     with StopRequest(log) as stop:
         try:
-            if pace.paced and s.step:  # its turns count from step 0
-                raise ConfigError(f"a paced run starts at step 0 (this one resumes at step {s.step})")
-            evaluates = cfg.run.eval_every and s.eval_rows
-            if s.step == 0 and evaluates:
-                s.eval_at_start = evaluate_greedy(s)
             w.barrier()  # start the first step together, so its timeline compares workers
             out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console) if w.is_main else None
             if w.is_main:
