@@ -557,3 +557,28 @@ def test_a_step_whose_samples_all_have_advantage_0_still_steps_the_optimizer(mod
     assert kinds[0] == [True] * 4 and kinds[1].count(False) >= 2
     assert False in kinds[1][kinds[1].index(True):]  # a skipped step after a computed one
     assert torch.allclose(weights[1], weights[0], rtol=1e-5, atol=1e-7)
+
+
+def test_a_policy_that_diverges_is_named_as_the_training_s_not_the_model_s(toy, tmp_path, monkeypatch):
+    """Non-finite logits after updates were blamed on the model's config.json (rms_norm_eps,
+    rope_theta), with no step, no rl.lr and no checkpoint named."""
+    import torch
+
+    from tailtamer.rl import trainer
+    from tailtamer.rl.trainer import TrainingError
+
+    update = trainer.update_policy
+
+    def diverging(s, *args):  # the update of step 2 leaves the weights infinite
+        out = update(s, *args)
+        if s.step == 1:
+            with torch.no_grad():
+                s.model.norm.weight.fill_(float("inf"))
+        return out
+
+    monkeypatch.setattr(trainer, "update_policy", diverging)
+    with pytest.raises(TrainingError, match=r"^step 3's rollout: the policy's logits are not finite \(NaN or inf\) "
+                                            r"after 2 steps of updates: the training diverged \(rl.lr=.*\); lower "
+                                            r"rl.lr and resume from a checkpoint before the divergence; the last "
+                                            r"checkpoint is step 2"):
+        train(load_train_config(None, toy + ["run.steps=4", "run.name=nan", "run.save_every=1"]), log=lambda _: None)

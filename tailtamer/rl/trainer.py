@@ -50,6 +50,7 @@ from tailtamer.rl.run_state import (RunState, check_startable, prepare, prompt_l
 from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics, worker_share
 from tailtamer.rollout.backend import RolloutBackendError
 from tailtamer.rollout.draft_history import FILE as HISTORY_FILE, save_histories
+from tailtamer.rollout.engine import NonFiniteLogits
 from tailtamer.rollout.sampling import SamplingParams
 from tailtamer.rollout.vllm_backend import require_vllm
 from tailtamer.stopping import Interrupted, StopRequest
@@ -109,6 +110,8 @@ def rl_step(s: RunState) -> dict:
                                                   keep_hidden=keep_hidden)
     except RolloutBackendError as e:  # the engine died or failed: nothing of this step is applied
         raise TrainingError(f"step {s.step + 1}: {e}; {_resume_hint(s)}") from None
+    except NonFiniteLogits as e:
+        raise _diverged(s, f"step {s.step + 1}'s rollout", e) from None
     clock.mark("rollout")
     w.finish_rollout(s.step)
 
@@ -352,6 +355,8 @@ def evaluate_greedy(s: RunState) -> float | None:
             completions, _ = s.rollout.generate([r["prompt_ids"] for r in rows[lo:hi]], params)
         except RolloutBackendError as e:
             raise TrainingError(f"evaluation after step {s.step}: {e}; {_resume_hint(s)}") from None
+        except NonFiniteLogits as e:
+            raise _diverged(s, f"the evaluation after step {s.step}", e) from None
         scored = s.scorer.score_calls(reward_items(rows[lo:hi], completions))
         correct = sum(parts[0][0] for parts in scored)  # the first reward function, unweighted
     s.workers.wait_for_all("eval")  # shards take unequal time: no collective timeout while waiting
@@ -378,6 +383,16 @@ def _checkpoint(s: RunState) -> None:
             raise WriteError(f"cannot write the checkpoint of step {s.step} into {s.run_dir / 'checkpoints'} "
                              f"({e.strerror or e})") from None
     s.saved_step = s.step  # on every worker, so that all of them agree on what is saved
+
+
+def _diverged(s: RunState, where: str, error: Exception) -> Exception:
+    """Non-finite logits: before any update, the model's own (`error` says so); after updates,
+    the training diverged, and the newest checkpoints may hold the diverged weights."""
+    if s.step == 0:
+        return error
+    return TrainingError(f"{where}: the policy's logits are not finite (NaN or inf) after {s.step} steps of updates: "
+                         f"the training diverged (rl.lr={s.cfg.rl.lr:g}); lower rl.lr and resume from a checkpoint "
+                         f"before the divergence; {_resume_hint(s)}")
 
 
 def _resume_hint(s: RunState) -> str:
