@@ -177,6 +177,9 @@ def check_loggers(names: tuple[str, ...]) -> None:
     """Start-up check: every named logger exists and its package imports."""
     import importlib.util
 
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # each would write every point again (two TensorBoard event files)
+        raise ConfigError(f"run.loggers: {', '.join(twice)} named twice; name each logger once")
     for name in names:
         if name not in LOGGERS:
             raise ConfigError(f"run.loggers: unknown logger {name!r}; choose from {sorted(LOGGERS)}")

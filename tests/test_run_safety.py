@@ -46,6 +46,12 @@ def test_a_run_name_the_file_system_refuses_is_one_line(toy, tmp_path):
     with pytest.raises(ConfigError, match=r"^cannot claim the run directory .*x{256} \(File name too long; "
                                           r"run.out_dir=.*runs run.name=x{256}\)$"):
         _train(toy, "run.steps=1", "run.name=" + "x" * 256)
+    (tmp_path / "runs" / "notes").write_text("mine\n")
+    (tmp_path / "runs" / "gone").symlink_to(tmp_path / "nowhere")
+    for name in ("notes", "gone"):  # blamed on run.out_dir ("cannot create ... (File exists)")
+        with pytest.raises(ConfigError, match=rf"^run.name {name}: .*runs/{name} is a file, not a run directory"):
+            _train(toy, "run.steps=1", f"run.name={name}")
+    assert (tmp_path / "runs" / "notes").read_text() == "mine\n"
 
 
 def test_a_run_killed_before_its_first_step_gives_its_name_back(toy, tmp_path):

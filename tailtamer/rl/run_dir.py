@@ -149,6 +149,8 @@ def _claim(cfg, resume: Path | None):
     candidates = [name] if name else [DEFAULT_NAME] + [f"{DEFAULT_NAME}-{i}" for i in range(2, 10_000)]
     for candidate in candidates:
         path = out / candidate
+        if name and (path.is_symlink() or path.exists()) and not path.is_dir():
+            raise ConfigError(f"run.name {name}: {path} is a file, not a run directory; give another run.name")
         if _holds_a_run(path):
             if name:
                 raise ConfigError(_taken(path))
