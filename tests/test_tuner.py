@@ -233,6 +233,11 @@ def test_fixed_tuner_and_mode_on_use_the_strategy():
     ({"mode": "off", "strategy": "4_2_8", "strategies": ("4_1_5",)},
      ["spec.strategy=4_2_8 is not read: spec.mode=off decodes without speculation",
       "spec.strategies=[4_1_5] is not read: spec.mode=off decodes without speculation"]),
+    ({"mode": "adaptive", "bs_threshold": 4}, []),
+    ({"mode": "on", "bs_threshold": 4},  # it was dropped without a word, as spec.compile with mode=off
+     ["spec.bs_threshold=4 is not read: it is spec.mode=adaptive's long-tail switch; spec.mode=on drafts with "
+      "spec.strategy"]),
+    ({"mode": "off", "compile": True}, ["spec.compile=true is not read: spec.mode=off decodes without speculation"]),
 ])
 def test_a_strategy_setting_the_mode_does_not_read_is_said(kwargs, said):
     """Said, not refused: a run directory written when spec.strategy defaulted to 4_2_8 resumes."""

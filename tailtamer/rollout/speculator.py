@@ -146,7 +146,8 @@ class SpecConfig:
         return "spec.strategy" if self.one_strategy else "spec.strategies"
 
     def unread(self, filled: dict | None = None) -> list[str]:
-        """spec.strategy and spec.strategies where set but not read in this mode, one line each:
+        """spec.strategy, spec.strategies, spec.bs_threshold and spec.compile where set but not
+        read in this mode, one line each:
         said at start-up, not refused, so that a run directory's config.yaml (written with
         spec.strategy=4_2_8 before it defaulted to unset) still resumes; `generate` refuses the
         flags instead. `filled`: values the config filled in itself (vLLM's `vllm_arms`), which
@@ -157,9 +158,15 @@ class SpecConfig:
         filled = filled or {}
         given = {"strategy": self.strategy, "strategies": self.strategies}
         read = self.in_use_field if self.mode != "off" else None
-        return [f"spec.{name}={'[' + ','.join(value) + ']' if name == 'strategies' else value} is not read: {reader}"
-                for name, value in given.items()
-                if value is not None and f"spec.{name}" != read and value != filled.get(name)]
+        lines = [f"spec.{name}={'[' + ','.join(value) + ']' if name == 'strategies' else value} is not read: {reader}"
+                 for name, value in given.items()
+                 if value is not None and f"spec.{name}" != read and value != filled.get(name)]
+        if self.bs_threshold is not None and self.mode != "adaptive":
+            lines.append(f"spec.bs_threshold={self.bs_threshold} is not read: it is spec.mode=adaptive's long-tail "
+                         f"switch; {reader}")
+        if self.compile and self.mode == "off":
+            lines.append(f"spec.compile=true is not read: {reader}")
+        return lines
 
     def uses_suffix(self) -> bool:
         """Whether an arm drafts from the suffix index (then the history is kept)."""
