@@ -255,3 +255,18 @@ def test_data_eval_builtin_is_the_held_out_built_in_problems(tmp_path, monkeypat
     train_rows, evals, _ = datasets(cfg, tokenizer, 1000, logs.append)
     assert len(train_rows) == 40 and not logs  # nothing held out of the file
     assert evals == default_evals and len(evals) == 8
+
+
+def test_evaluation_settings_that_evaluate_nothing_are_said(tmp_path):
+    """data.eval with run.eval_every=0, and run.eval_every with data.n_eval=0, were dropped silently."""
+    from tailtamer.rl.data import datasets
+
+    tokenizer, logs = char_tokenizer(), []
+    datasets(load_train_config(None, ["data.eval=builtin", "run.eval_every=0", "data.n_builtin=10"]), tokenizer, 1000,
+             logs.append)
+    datasets(load_train_config(None, ["run.eval_every=5", "data.n_eval=0", "data.n_builtin=10"]), tokenizer, 1000,
+             logs.append)
+    assert logs == ["data.eval=builtin is not read: run.eval_every=0 evaluates never",
+                    "run.eval_every=5 is not read: data.n_eval=0 evaluates on no prompts"]
+    datasets(load_train_config(None, ["data.n_builtin=10"]), tokenizer, 1000, logs.append)
+    assert len(logs) == 2  # the default evaluates: nothing to say

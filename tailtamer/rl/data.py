@@ -246,6 +246,10 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
     """(train rows, eval rows, prompts skipped as longer than `limit` tokens) for a
     TrainConfig's data section: the built-in task's problems, or the files'."""
     task = ArithmeticTask()
+    if cfg.data.eval is not None and not cfg.run.eval_every:
+        log(f"data.eval={cfg.data.eval} is not read: run.eval_every=0 evaluates never")
+    elif cfg.run.eval_every and not cfg.data.n_eval:
+        log(f"run.eval_every={cfg.run.eval_every} is not read: data.n_eval=0 evaluates on no prompts")
 
     def rows(problems):
         return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
