@@ -10,11 +10,11 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
-from tailtamer.atomic import make_dirs, remove_empty_dirs
+from tailtamer.atomic import remove_empty_dirs
 from tailtamer.errors import ConfigError, DataError, TailtamerError
+from tailtamer.outputs import CREATED, fresh_output_dir, output_file
 from tailtamer.stopping import Interrupted, Terminated, sigterm_stops_at_once
 from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig
 
@@ -54,78 +54,6 @@ def check_spec_flags(args) -> None:
                           "chooses among --strategies")
     if args.strategies is not None and fixed:
         raise ConfigError("--strategies are the bandit's arms; --tuner fixed drafts --strategy")
-
-
-# Directories the output checks created, removed again (if still empty) when the command
-# fails: a mistyped option must not leave an empty --out behind.
-_CREATED: list[Path] = []
-
-
-def _writable_dir(directory: Path, flag: str, path: str) -> None:
-    """Create `directory` if needed and prove a file can be written there (as root, mode bits
-    say nothing, so try it)."""
-    if any(parent.is_file() for parent in [directory, *directory.parents]):
-        raise TailtamerError(f"{flag} {path}: a parent of it is a file")
-    try:
-        _CREATED.extend(make_dirs(directory))
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        raise TailtamerError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
-
-
-def output_file(path: str, flag: str, inputs: dict[str, str] = {}) -> None:
-    """An output file must be writable where it is asked for and must not be one of the
-    command's inputs (or lie inside an input directory), checked before any work."""
-    if not path:
-        raise TailtamerError(f"{flag} is empty; give a file path")
-    p = Path(path)
-    if p.is_dir():
-        raise TailtamerError(f"{flag} {path} is a directory; give a file path")
-    if p.exists() and not p.is_file():  # the write replaces the path: a device or pipe would be gone
-        raise TailtamerError(f"{flag} {path} is not a regular file (a device, pipe or socket); give a file path")
-    if path.endswith(("/", os.sep)):
-        raise TailtamerError(f"{flag} {path} ends with a '/', as a directory does; give a file path")
-    _clear_of_inputs(p, flag, path, inputs, "would overwrite")
-    holder = p.is_file() and _holder(p.resolve().parent)
-    if holder:
-        raise TailtamerError(f"{flag} {path} would replace a file of {holder} ({p.resolve().parent}); give a path "
-                             f"outside it")
-    _writable_dir(p.parent, flag, path)
-
-
-def _holder(directory: Path) -> str | None:
-    """What `directory` is when an output file must not replace one of its files: a model or
-    drafter (config.json beside safetensors weights) or a training run (config.yaml beside
-    metrics.jsonl); None for any other directory, whose files an output replaces as asked."""
-    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors*")):
-        return "a model or drafter directory"
-    if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists():
-        return "a training run"
-    return None
-
-
-def _clear_of_inputs(p: Path, flag: str, path: str, inputs: dict[str, str], clash: str) -> None:
-    """An output path is none of `inputs` and lies inside none of them."""
-    for other_flag, other in inputs.items():
-        o = Path(other).resolve()
-        if p.resolve() == o or o in p.resolve().parents:
-            raise TailtamerError(f"{flag} {path} {clash} {other_flag} {other}")
-
-
-def fresh_output_dir(path: str, flag: str, ours: tuple[str, ...] = (), inputs: dict[str, str] = {}) -> None:
-    """A directory a command writes into: never over a file or another directory's content
-    (files named in `ours`, the command's own earlier output, excepted), nor into `inputs`."""
-    if not path:
-        raise TailtamerError(f"{flag} is empty; give a directory to create")
-    p = Path(path)
-    _clear_of_inputs(p, flag, path, inputs, "would write into")
-    if p.exists() and not p.is_dir():
-        raise TailtamerError(f"{flag} {path} is {'a file' if p.is_file() else 'not a directory'}; give a directory "
-                             f"to create")
-    if p.is_dir() and any(child.name not in ours for child in p.iterdir()):
-        raise TailtamerError(f"{flag} {path} already exists and is not empty; give a new directory")
-    _writable_dir(p, flag, path)
 
 
 def nonempty(text: str) -> str:
@@ -580,11 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> None:
-    _CREATED.clear()
+    CREATED.clear()
     try:
         args.func(args)
     except BaseException:
-        remove_empty_dirs(_CREATED)
+        remove_empty_dirs(CREATED)
         raise
 
 

@@ -61,15 +61,16 @@ def test_an_output_never_replaces_a_file_of_another_model_or_run(model_dir, tmp_
     (run / "config.yaml").write_text("run: {}\n")
     (run / "metrics.jsonl").write_text("{}\n")
     before = {p: p.read_bytes() for p in [*other.iterdir(), *run.iterdir()]}
-    for out, holder in ((other / "model.safetensors", "a model or drafter directory"),
-                        (other / "config.json", "a model or drafter directory"),
-                        (run / "metrics.jsonl", "a training run")):
-        _one_line_error(capsys, f"would replace a file of {holder}", main(["task", "--out", str(out), "--n", "2"]))
+    for out, owner in ((other / "model.safetensors", f"the model or drafter {other}"),
+                       (other / "config.json", f"the model or drafter {other}"),
+                       (run / "metrics.jsonl", f"the training run {run}")):
+        _one_line_error(capsys, f"would replace a file of {owner}", main(["task", "--out", str(out), "--n", "2"]))
         code = main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out", str(out)])
-        _one_line_error(capsys, f"would replace a file of {holder}", code)
+        _one_line_error(capsys, f"would replace a file of {owner}", code)
     assert {p: p.read_bytes() for p in before} == before
-    main(["task", "--out", str(other / "new.jsonl"), "--n", "2"])  # a new file beside them is the user's to add
-    assert (other / "new.jsonl").is_file()
+    for own in (other / "new.jsonl", run / "gen.jsonl"):  # the user's own files beside them, written again
+        for _ in range(2):
+            assert main(["task", "--out", str(own), "--n", "2"]) == 0
     _one_line_error(capsys, "ends with a '/'", main(["task", "--out", str(tmp_path / "dir") + "/", "--n", "2"]))
     assert not (tmp_path / "dir").exists()
 

@@ -81,7 +81,7 @@ LAYERS = [
     {"drafter", "memory", "sft"},
     {"dist"},
     {"rl", "config", "integrations"},  # integrations: trainers of other projects driving ours
-    {"demo", "bench", "bench_profile", "bench_train", "cli", "__main__"},  # commands
+    {"demo", "bench", "bench_profile", "bench_train", "cli", "outputs", "__main__"},  # commands
 ]
 
 
