@@ -581,6 +581,7 @@ def test_a_policy_that_diverges_is_named_as_the_training_s_not_the_model_s(toy, 
     monkeypatch.setattr(trainer, "update_policy", diverging)
     with pytest.raises(TrainingError, match=r"^step 3's rollout: the policy's logits are not finite \(NaN or inf\) "
                                             r"after 2 steps of updates: the training diverged \(rl.lr=.*\); lower "
-                                            r"rl.lr and resume from a checkpoint before the divergence; the last "
-                                            r"checkpoint is step 2"):
+                                            r"rl.lr and resume from a checkpoint before the divergence: the newest, "
+                                            r"step 2, may hold the diverged weights; step-000001, the checkpoint "
+                                            r"before it, can be resumed from: write its name into .*latest$"):
         train(load_train_config(None, toy + ["run.steps=4", "run.name=nan", "run.save_every=1"]), log=lambda _: None)

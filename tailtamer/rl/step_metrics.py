@@ -135,3 +135,25 @@ def merge(parts: list[dict], step: int, update: dict, checksums: tuple, drafter:
     if checksums[1] is not None:
         row["drafter_sha"] = checksums[1]
     return row
+
+
+SAMPLES_LOGGED = 4  # prompts per logged step, the first sample of each
+
+
+def logs_samples(every: int, step: int) -> bool:
+    """Whether step `step` (counted from 1) writes samples: the first, then every `every`-th
+    (run.log_samples_every; 0: none)."""
+    return every > 0 and (step % every == 0 or step == 1)
+
+
+def sample_log(tokenizer, batch: list, completions: list, rewards, first: int) -> list[dict]:
+    """This worker's share of the samples a logged step shows: the first sample of each of the
+    step's first SAMPLES_LOGGED prompts that this worker rolled out."""
+    out = []
+    for c in completions:
+        if c.sample_index == 0 and first + c.prompt_index < SAMPLES_LOGGED:
+            out.append({"prompt_index": first + c.prompt_index,
+                        "prompt": tokenizer.decode(batch[c.prompt_index]["prompt_ids"], skip_special_tokens=False),
+                        "response": c.text, "reward": rewards[c.prompt_index, 0].item(),
+                        "length": len(c.token_ids), "finish_reason": c.finish_reason})
+    return out

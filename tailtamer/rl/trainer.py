@@ -41,13 +41,13 @@ from tailtamer.pace import NoPace
 from tailtamer.plots import plot_accept_lengths, plot_rl_curves, plot_worker_timeline
 from tailtamer.rl import grpo
 from tailtamer.rl.batching import Samples, minibatch_of, rebalance, response_batch, update_plan
-from tailtamer.rl.checkpoint import save_checkpoint
+from tailtamer.rl.checkpoint import resumable_hint, save_checkpoint
 from tailtamer.rl.rewards import merge_failures
 from tailtamer.rl.run_dir import (claim_run_dir, keep_metrics_through, record_resume, resume_changes, resume_note,
                                   run_settings)
 from tailtamer.rl.run_state import (RunState, check_startable, prepare, prompt_limit, run_dir_of, say_unread, setup,
                                     training_prompts)
-from tailtamer.rl.step_metrics import StepClock, merge as merge_step_metrics, worker_share
+from tailtamer.rl.step_metrics import StepClock, logs_samples, merge as merge_step_metrics, sample_log, worker_share
 from tailtamer.rollout.backend import RolloutBackendError
 from tailtamer.rollout.draft_history import FILE as HISTORY_FILE, save_histories
 from tailtamer.rollout.engine import NonFiniteLogits
@@ -205,7 +205,8 @@ def rl_step(s: RunState) -> dict:
     # 10. Metrics: every worker's share, gathered and merged (identically on every worker).
     mine = worker_share(clock, rollout, completions, rewards, correct, lengths, by_function, keep, advantages,
                         drafter, last_rollout_end, w.world, s.drafter.dropped, s.scorer.failures,
-                        sample_log(s, batch, completions, rewards, lo) if logs_samples(cfg, s.step + 1) else [])
+                        sample_log(s.tokenizer, batch, completions, rewards, lo)
+                        if logs_samples(cfg.run.log_samples_every, s.step + 1) else [])
     row = merge_step_metrics(w.gather(mine), s.step + 1, update, checksums, s.drafter.trains)
     return {**row, "epoch": s.order.epochs_done(s.step + 1)}
 
@@ -309,28 +310,6 @@ def update_policy(s: RunState, samples: Samples, plan, old_logps: dict, ref_logp
             "grad_norm": mean(grad_norms), "lr": s.scheduler.get_last_lr()[0], "skipped_updates": s.bad_steps}
 
 
-SAMPLES_LOGGED = 4  # prompts per logged step, the first sample of each
-
-
-def logs_samples(cfg: TrainConfig, step: int) -> bool:
-    """Whether step `step` (counted from 1) writes samples: the first, then every N-th."""
-    every = cfg.run.log_samples_every
-    return every > 0 and (step % every == 0 or step == 1)
-
-
-def sample_log(s: RunState, batch: list, completions: list, rewards: torch.Tensor, first: int) -> list[dict]:
-    """This worker's share of the samples a logged step shows: the first sample of each of the
-    step's first SAMPLES_LOGGED prompts that this worker rolled out."""
-    out = []
-    for c in completions:
-        if c.sample_index == 0 and first + c.prompt_index < SAMPLES_LOGGED:
-            out.append({"prompt_index": first + c.prompt_index,
-                        "prompt": s.tokenizer.decode(batch[c.prompt_index]["prompt_ids"], skip_special_tokens=False),
-                        "response": c.text, "reward": rewards[c.prompt_index, 0].item(),
-                        "length": len(c.token_ids), "finish_reason": c.finish_reason})
-    return out
-
-
 def check_same_weights(checksums: list[tuple], step: int) -> None:
     """Every worker's (policy, drafter) checksums equal worker 0's, or a TrainingError that
     names the worker and the part: its engine would roll out with different weights."""
@@ -390,9 +369,14 @@ def _diverged(s: RunState, where: str, error: Exception) -> Exception:
     the training diverged, and the newest checkpoints may hold the diverged weights."""
     if s.step == 0:
         return error
-    return TrainingError(f"{where}: the policy's logits are not finite (NaN or inf) after {s.step} steps of updates: "
-                         f"the training diverged (rl.lr={s.cfg.rl.lr:g}); lower rl.lr and resume from a checkpoint "
-                         f"before the divergence; {_resume_hint(s)}")
+    said = (f"{where}: the policy's logits are not finite (NaN or inf) after {s.step} steps of updates: the "
+            f"training diverged (rl.lr={s.cfg.rl.lr:g}); lower rl.lr")
+    if s.saved_step is None:
+        return TrainingError(f"{said}; no checkpoint was written yet")
+    earlier = resumable_hint(s.run_dir / "checkpoints", f"step-{s.saved_step:06d}") or \
+        "; none before it is kept (run.keep_checkpoints)"
+    return TrainingError(f"{said} and resume from a checkpoint before the divergence: the newest, step "
+                         f"{s.saved_step}, may hold the diverged weights{earlier}")
 
 
 def _resume_hint(s: RunState) -> str:
@@ -465,15 +449,22 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
     # steps after the checkpoint that the resume drops from metrics.jsonl)
     t0, first_step = time.perf_counter(), s.step
     out, reported, completed, hurry = None, set(), False, False
-    if pace.paced and s.step:  # its turns count from step 0
-        raise ConfigError(f"a paced run starts at step 0 (this one resumes at step {s.step})")
-    evaluates = cfg.run.eval_every and s.eval_rows
-    if s.step == 0 and evaluates:  # before the first step: a stop ends the run at once, with nothing to save
-        s.eval_at_start = evaluate_greedy(s)
+    try:  # before the first step, outside the StopRequest: a stop ends the run at once, with nothing to save
+        if pace.paced and s.step:  # its turns count from step 0
+            raise ConfigError(f"a paced run starts at step 0 (this one resumes at step {s.step})")
+        # the loggers first: one that cannot start stops the run before the evaluation's minutes
+        out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console) if w.is_main else None
+        evaluates = cfg.run.eval_every and s.eval_rows
+        if s.step == 0 and evaluates:
+            s.eval_at_start = evaluate_greedy(s)
+    except BaseException:
+        if out is not None:
+            out.close()
+        s.scorer.close()
+        raise
     with StopRequest(log) as stop:
         try:
             w.barrier()  # start the first step together, so its timeline compares workers
-            out = RunLog(s.run_dir, cfg.run.loggers, to_dict(cfg), cfg.run.steps, s.step, console) if w.is_main else None
             if w.is_main:
                 pace.ready()
             while s.step < cfg.run.steps:
