@@ -39,6 +39,30 @@ from tailtamer.stopping import Interrupted, StopRequest, exit_with_parent
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
 
+def torchrun_env(env) -> tuple[int, int, int]:
+    """(WORLD_SIZE, RANK, LOCAL_RANK) of a torchrun-style environment, checked: (1, 0, 0)
+    without WORLD_SIZE; a ConfigError that names what is missing or wrong otherwise (a stray
+    WORLD_SIZE, a rank outside the group), and says how to run alone."""
+    alone = "unset WORLD_SIZE to run on this machine alone (run.workers)"
+    if not env.get("WORLD_SIZE"):
+        return 1, 0, 0
+    values = {}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
+        text = env.get(name) or ("" if name in ("WORLD_SIZE", "RANK") else "0")
+        if not text.strip().isdigit():
+            raise ConfigError(f"the environment sets WORLD_SIZE={env['WORLD_SIZE']} but "
+                              + (f"{name}={text}, not a whole number" if text else f"not {name}")
+                              + f": a worker of a torchrun group needs RANK, MASTER_ADDR and MASTER_PORT; {alone}")
+        values[name] = int(text)
+    world, rank = values["WORLD_SIZE"], values["RANK"]
+    if world > 1 and not env.get("MASTER_ADDR"):
+        raise ConfigError(f"the environment sets WORLD_SIZE={world} but not MASTER_ADDR: a worker of a torchrun "
+                          f"group needs it; {alone}")
+    if not 0 <= rank < world:
+        raise ConfigError(f"the environment sets RANK={rank}, outside a group of WORLD_SIZE={world} workers; {alone}")
+    return world, rank, values["LOCAL_RANK"] if env.get("LOCAL_RANK") else rank
+
+
 class WorkerError(TailtamerError):
     """A worker failed or died; the message says which and where the last checkpoint is."""
 
@@ -55,27 +79,17 @@ class Workers:
     def from_env(cls, timeout_s: float, device: torch.device = torch.device("cpu")) -> "Workers":
         """Join the group described by the torchrun-style environment (one worker without it),
         over NCCL when this worker runs on a GPU, gloo otherwise."""
-        env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
-        try:
-            world = int(env["WORLD_SIZE"] or "1")
-            rank = int(env["RANK"]) if world != 1 else 0
-        except (TypeError, ValueError):
-            raise ConfigError(f"the environment sets WORLD_SIZE={env['WORLD_SIZE']} and RANK={env['RANK']}: a worker "
-                              f"of a torchrun group needs both as integers (and MASTER_ADDR, MASTER_PORT); unset "
-                              f"WORLD_SIZE to run on this machine alone (run.workers)") from None
+        world, rank, _ = torchrun_env(os.environ)
         if world == 1:
             return cls(device=device)
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env[k]]
-        if missing:
-            raise ConfigError(f"the environment sets WORLD_SIZE={world} but not {' or '.join(missing)}: a worker of a "
-                              f"torchrun group needs them; unset WORLD_SIZE to run on this machine alone")
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-        except (RuntimeError, ValueError) as e:  # DistStoreError (a timeout) is a RuntimeError
-            raise WorkerError(f"worker {rank} of {world} could not join the group at {env['MASTER_ADDR']}:"
-                              f"{env['MASTER_PORT']} within run.dist_timeout_s={timeout_s:g} s "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        except (RuntimeError, ValueError) as e:  # the store's own errors, one line of them
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            late = f" within run.dist_timeout_s={timeout_s:g} s" if isinstance(e, dist.DistStoreError) else ""
+            raise WorkerError(f"worker {rank} of {world} could not join the group at {where}{late} ({first})") from None
         store.set_timeout(timeout)
         dist.init_process_group(collective_backend(device), store=dist.PrefixStore("pg", store), rank=rank,
                                 world_size=world, timeout=timeout)

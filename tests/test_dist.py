@@ -281,22 +281,34 @@ def test_a_stop_passed_on_by_the_launcher_is_named_as_the_launcher_received_it()
     assert after.stopped_by("SIGTERM") is after
 
 
-def test_a_torchrun_environment_that_is_incomplete_or_alone_is_one_line(monkeypatch):
-    """A stray WORLD_SIZE raised KeyError: 'RANK'; a group whose other workers never came
-    ended in DistStoreError's traceback."""
+@pytest.mark.parametrize("env,message", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but not RANK: "),
+    ({"WORLD_SIZE": "2", "RANK": "x"}, "WORLD_SIZE=2 but RANK=x, not a whole number"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1"}, "WORLD_SIZE=2 but not MASTER_ADDR"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2, outside a group of "
+                                                                                 "WORLD_SIZE=2 workers"),
+    ({"WORLD_SIZE": "0", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=0, outside a group of "
+                                                                                 "WORLD_SIZE=0 workers"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "p"}, "WORLD_SIZE=2 but MASTER_PORT=p, not a whole number"),
+])
+def test_an_incomplete_torchrun_environment_is_one_line(env, message):
+    """A stray WORLD_SIZE raised KeyError: 'RANK' (and a RANK of letters ValueError, before the
+    worker's device was picked)."""
+    from tailtamer.dist import torchrun_env
+
+    with pytest.raises(ConfigError, match=f"^the environment sets {message}"):
+        torchrun_env(env)
+    assert torchrun_env({}) == (1, 0, 0)
+    assert torchrun_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
+                         "MASTER_PORT": "29500"}) == (4, 3, 1)
+
+
+def test_a_group_whose_other_workers_never_come_is_one_line(monkeypatch):
+    """It ended in DistStoreError's traceback."""
     from tailtamer.dist import _free_port
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(ConfigError, match=r"^the environment sets WORLD_SIZE=2 and RANK=None: .*unset WORLD_SIZE"):
-        Workers.from_env(5)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.setenv("MASTER_PORT", "1")
-    with pytest.raises(ConfigError, match=r"sets WORLD_SIZE=2 but not MASTER_ADDR: "):
-        Workers.from_env(5)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+        monkeypatch.setenv(name, value)
     with pytest.raises(WorkerError, match=r"^worker 0 of 2 could not join the group at 127.0.0.1:\d+ within "
                                           r"run.dist_timeout_s=2 s"):
         Workers.from_env(2)

@@ -33,7 +33,7 @@ import yaml
 from tailtamer.atomic import atomic_write_json, atomic_write_text, writing
 from tailtamer.config import TrainConfig, to_dict
 from tailtamer.device import autocast, gpu_count, resolve_device, train_device
-from tailtamer.dist import Workers, resolve_workers, spawn
+from tailtamer.dist import Workers, resolve_workers, spawn, torchrun_env
 from tailtamer.errors import ConfigError, TailtamerError, WriteError
 from tailtamer.metrics import RunLog, run_summary
 from tailtamer.model.drafter import weights_checksum
@@ -553,7 +553,7 @@ def _silent(*_args) -> None:
 def run_worker(cfg: TrainConfig, resume: Path | None, console, claimed: bool = False,
                pace: NoPace = NoPace()) -> dict | None:
     """One worker of a multi-process run (spawned locally or started by torchrun)."""
-    device = train_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
+    device = train_device(cfg.run.device, torchrun_env(os.environ)[2])
     workers = Workers.from_env(cfg.run.dist_timeout_s, device)
     summary = train(cfg, resume, console=console, workers=workers, claimed=claimed, pace=pace)
     workers.close()  # not after an error: the launcher stops every worker then
