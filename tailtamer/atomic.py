@@ -54,8 +54,11 @@ def _disk_error(e: BaseException, directory: Path, partial: Path | None = None) 
     found = re.search(r"\(os error (\d+)\)", str(e))
     if found:
         return OSError(int(found[1]), os.strerror(int(found[1])))
-    files = [partial] if partial is not None and partial.is_file() else \
-        [f for f in partial.rglob("*") if f.is_file()] if partial is not None and partial.is_dir() else []
+    files = []
+    if partial is not None and partial.is_file():
+        files = [partial]
+    elif partial is not None and partial.is_dir():
+        files = [f for f in partial.rglob("*") if f.is_file()]
     if files:
         try:
             with open(max(files, key=lambda f: f.stat().st_size), "ab") as f:

@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when this PyTorch has a GPU, else cpu)")
     g.add_argument("--max-batch-size", type=int, default=EngineConfig().max_batch_size,
                    help="requests decoded together (default %(default)s)")
-    g.add_argument("--stats", help="write throughput and the running-requests timeline as JSON")
+    g.add_argument("--stats", type=nonempty, help="write throughput and the running-requests timeline as JSON")
     g.set_defaults(func=cmd_generate)
 
     g.add_argument("--backend", default="tailtamer", choices=["tailtamer", "vllm"],
@@ -459,12 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     dt.set_defaults(func=cmd_drafter_train)
 
     s = sub.add_parser("sft", help="train (or find in the cache) the built-in task's base model")
-    s.add_argument("--out", help="train into this directory instead of the cache")
+    s.add_argument("--out", type=nonempty, help="train into this directory instead of the cache")
     s.add_argument("--steps", type=int, help=f"steps on worked traces (default {SFTConfig().steps})")
     s.add_argument("--habit-steps", type=int, help="then steps where the teacher often answers directly "
                                                     f"(default {SFTConfig().habit_steps}; 0 = no habit for RL to unlearn)")
     s.add_argument("--seed", type=seed)
-    s.add_argument("--preset", help=f"model size (default {SFTConfig().preset}; see init-model)")
+    s.add_argument("--preset", type=nonempty, help=f"model size (default {SFTConfig().preset}; see init-model)")
     s.set_defaults(func=cmd_sft)
 
     i = sub.add_parser("init-model", help="write a randomly initialised model of a preset size")
@@ -493,14 +493,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["decode", "sd", "rollout", "train", "profile"])
     b.add_argument("--model", type=nonempty, help="model directory (default: the built-in base model)")
     b.add_argument("--drafter", type=nonempty, help="sd, rollout, profile: the EAGLE drafter of --model (needed with it)")
-    b.add_argument("--preset", help="benchmark a random model of this preset size instead")
+    b.add_argument("--preset", type=nonempty, help="benchmark a random model of this preset size instead")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")
     b.add_argument("--new-tokens", type=int, help="decode: tokens per sequence (default 64)")
     b.add_argument("--group", type=int, help="sd: siblings per problem of the grouped workload, as GRPO samples "
                                             "(default 8; 1: the single workload only)")
     b.add_argument("--arms", nargs="+", metavar="ARM", help="rollout: the arms to run, after the benchmark's name; "
                                                            f"plain always runs (default: all of {', '.join(ROLLOUT_ARMS)})")
-    b.add_argument("--out", help="also write the report here")
+    b.add_argument("--out", type=nonempty, help="also write the report here")
     b.add_argument("--steps", type=int, help="train, profile: RL steps per run (default 10; profile: >= 2)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="train: a config override (repeatable)")
     b.set_defaults(func=cmd_bench)

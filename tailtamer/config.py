@@ -115,7 +115,8 @@ class RunConfig:
 class DataConfig:
     train: str = f("builtin", "prompts: 'builtin' (the arithmetic task) or a JSONL/parquet file")
     eval: str | None = f(None, "held-out prompts: a JSONL/parquet file or 'builtin' (held-out built-in problems); "
-                               "default: builtin with data.train=builtin, a tenth of a training file held out")
+                               "default: builtin with data.train=builtin, else data.n_eval prompts (at most a "
+                               "tenth) held out of the training file")
     n_builtin: int = f(4096, "built-in training problems")
     n_eval: int = f(64, "held-out prompts used per evaluation")
     max_prompt_tokens: int = f(256, "longer prompts are skipped (and counted), never truncated")

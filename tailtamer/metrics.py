@@ -32,7 +32,7 @@ class Rows:
         try:
             while data:
                 data = data[self.file.write(data):]
-        except OSError:
+        except BaseException:  # a full disk, or a Ctrl-C between two partial writes
             self.file.truncate(end)
             raise
 
@@ -177,9 +177,6 @@ def check_loggers(names: tuple[str, ...]) -> None:
     """Start-up check: every named logger exists and its package imports."""
     import importlib.util
 
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:  # each would write every point again (two TensorBoard event files)
-        raise ConfigError(f"run.loggers: {', '.join(twice)} named twice; name each logger once")
     for name in names:
         if name not in LOGGERS:
             raise ConfigError(f"run.loggers: unknown logger {name!r}; choose from {sorted(LOGGERS)}")
@@ -198,7 +195,7 @@ class RunLog:
     def __init__(self, run_dir: Path, names: tuple[str, ...], cfg_dict: dict, steps: int, first_step: int,
                  console: Callable[[str], None] | None):
         self.loggers = {}
-        for name in names:
+        for name in dict.fromkeys(names):  # a name given twice (an older run's config.yaml) logs once
             try:
                 self.loggers[name] = LOGGERS[name][0](run_dir, cfg_dict, first_step)
             except Exception as e:  # the logger's own error (W&B not logged in, say), not the run's
@@ -218,28 +215,42 @@ class RunLog:
         self.metrics.log(row)
         if samples:
             self.samples.log_samples(row["step"], samples)
-        for name, logger in list(self.loggers.items()):
-            self._guarded(name, "log", lambda: (logger.log(row), samples and logger.log_samples(row["step"], samples)))
+        for name in list(self.loggers):
+            self._guarded(name, "log", lambda logger: self._log_to(logger, row, samples))
         self.console(console_line(row, self.steps))
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{row['step_s']:.1f}")
 
-    def _guarded(self, name: str, what: str, call: Callable[[], object]) -> None:
+    @staticmethod
+    def _log_to(logger, row: dict, samples: list[dict]) -> None:
+        logger.log(row)
+        if samples:
+            logger.log_samples(row["step"], samples)
+
+    def _guarded(self, name: str, what: str, call: Callable[[object], object]) -> None:
+        """`call(logger)`; if it fails, the logger is said once and dropped (closed if it can be)."""
+        logger = self.loggers[name]
         try:
-            call()
+            call(logger)
         except Exception as e:
             del self.loggers[name]
-            self.console(f"run.loggers: {name} failed to {what} ({type(e).__name__}: {e}); it is dropped for the "
-                         f"rest of the run (metrics.jsonl has every step)")
+            if what != "close":
+                try:
+                    logger.close()
+                except Exception:  # it failed already: what it says on closing adds nothing
+                    pass
+            rest = "it is dropped for the rest of the run" if what != "close" else "its own record may be incomplete"
+            self.console(f"run.loggers: {name} failed to {what} ({type(e).__name__}: {e}); {rest} (metrics.jsonl "
+                         f"has every step)")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         self.samples.close()
         self.metrics.close()
-        for name, logger in list(self.loggers.items()):
-            self._guarded(name, "close", logger.close)
+        for name in list(self.loggers):
+            self._guarded(name, "close", lambda logger: logger.close())
 
 
 def console_line(row: dict, steps: int) -> str:

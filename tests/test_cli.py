@@ -474,3 +474,25 @@ def test_sigterm_stops_a_command_as_ctrl_c_does(tmp_path):
     assert err.strip().splitlines()[-1] == ("stopped: interrupted (SIGTERM); files are written atomically, so "
                                             "nothing is half-written")
     assert not (tmp_path / "models").exists()  # no empty --out, no hidden sibling
+
+
+@pytest.mark.parametrize("args", [["generate", "--model=", "--prompts", "p", "--out", "o"],
+                                  ["generate", "--model", "m", "--prompts=", "--out", "o"],
+                                  ["generate", "--model", "m", "--prompts", "p", "--out", "o", "--spec", "on",
+                                   "--strategy="],
+                                  ["drafter", "train", "--model", "m", "--data", "d", "--out", "o", "--init="],
+                                  ["init-model", "--preset", "tiny", "--out", "o", "--tokenizer="],
+                                  ["sft", "--out="], ["sft", "--preset="], ["bench", "decode", "--preset="],
+                                  ["generate", "--model", "m", "--prompts", "p", "--out", "o", "--stats="]])
+def test_an_empty_path_or_name_is_refused(args, tmp_path, capsys, monkeypatch):
+    """`--model=` read as the current directory (and was blamed for --out's clash with it);
+    `--init=`, `--tokenizer=`, `--strategy=`, `--stats=` and `--preset=` were dropped for their
+    defaults, and `sft --out=` trained into the cache."""
+    monkeypatch.chdir(tmp_path)
+    flag = next(a for a in args if a.endswith("="))
+    with pytest.raises(SystemExit) as stop:  # argparse's own exit
+        main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert f"argument {flag[:-1]}: empty; give a value" in err
+    assert not any(tmp_path.iterdir())

@@ -257,16 +257,15 @@ def test_data_eval_builtin_is_the_held_out_built_in_problems(tmp_path, monkeypat
     assert evals == default_evals and len(evals) == 8
 
 
-def test_evaluation_settings_that_evaluate_nothing_are_said(tmp_path):
-    """data.eval with run.eval_every=0, and run.eval_every with data.n_eval=0, were dropped silently."""
-    from tailtamer.rl.data import datasets
+def test_a_held_out_file_no_evaluation_reads_is_said_and_not_loaded(tmp_path):
+    """data.eval with run.eval_every=0 or data.n_eval=0 was loaded (its errors stopping the run)
+    and dropped without a word."""
+    from tailtamer.rl.data import datasets, unread_data
 
-    tokenizer, logs = char_tokenizer(), []
-    datasets(load_train_config(None, ["data.eval=builtin", "run.eval_every=0", "data.n_builtin=10"]), tokenizer, 1000,
-             logs.append)
-    datasets(load_train_config(None, ["run.eval_every=5", "data.n_eval=0", "data.n_builtin=10"]), tokenizer, 1000,
-             logs.append)
-    assert logs == ["data.eval=builtin is not read: run.eval_every=0 evaluates never",
-                    "run.eval_every=5 is not read: data.n_eval=0 evaluates on no prompts"]
-    datasets(load_train_config(None, ["data.n_builtin=10"]), tokenizer, 1000, logs.append)
-    assert len(logs) == 2  # the default evaluates: nothing to say
+    missing = tmp_path / "missing.jsonl"
+    for off, why in (("run.eval_every=0", "run.eval_every=0 evaluates never"),
+                     ("data.n_eval=0", "data.n_eval=0 evaluates on no prompts")):
+        cfg = load_train_config(None, [f"data.eval={missing}", off, "data.n_builtin=10"])
+        assert unread_data(cfg) == [f"data.eval={missing} is not read: {why}"]
+        assert datasets(cfg, char_tokenizer(), 1000, print)[1] == []  # the missing file is never opened
+    assert unread_data(load_train_config(None, ["data.eval=builtin"])) == []

@@ -429,13 +429,16 @@ def test_a_stop_during_the_evaluation_before_the_first_step_ends_the_run_at_once
     run = tmp_path / "runs" / "ev"
     proc = _cli_train(toy + ["run.name=ev", "run.steps=3", "run.eval_every=1", "data.eval=builtin",
                              "data.n_eval=30000"], tmp_path)
-    deadline = time.time() + 120
-    while not (run / "config.yaml").is_file():
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-        time.sleep(0.02)
-    time.sleep(1.0)  # into the evaluation
-    os.kill(proc.pid, signal.SIGTERM)
-    err = proc.communicate(timeout=120)[1]
+    try:
+        deadline = time.time() + 120
+        while not (run / "config.yaml").is_file():
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+            time.sleep(0.02)
+        time.sleep(1.0)  # into the evaluation (30,000 prompts: a stop that waits for the step takes minutes)
+        os.kill(proc.pid, signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:  # never left running on a failure
+        proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err and "after step" not in err, err
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
 

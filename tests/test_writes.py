@@ -68,6 +68,7 @@ class _Logger:
     def close(self):
         if self.fail == "close":
             raise RuntimeError("finish failed")
+        type(self).closed = True
 
 
 @pytest.mark.parametrize("fail", ["init", "log", "close"])
@@ -77,6 +78,7 @@ def test_a_logger_that_fails_stops_the_run_only_before_it_starts(tmp_path, monke
     monkeypatch.setitem(metrics.LOGGERS, "fake", (_Logger, "json"))
     monkeypatch.setattr(_Logger, "fail", fail)
     monkeypatch.setattr(_Logger, "rows", [])
+    monkeypatch.setattr(_Logger, "closed", False, raising=False)
     lines = []
     if fail == "init":
         with pytest.raises(ConfigError, match=r"^run.loggers: fake did not start \(RuntimeError: api_key not "
@@ -88,9 +90,21 @@ def test_a_logger_that_fails_stops_the_run_only_before_it_starts(tmp_path, monke
         log.log({**ROW, "step": step})
     log.close()
     notices = [line for line in lines if line.startswith("run.loggers: fake failed")]
-    assert len(notices) == 1 and "dropped for the rest of the run" in notices[0]
+    rest = "its own record may be incomplete" if fail == "close" else "dropped for the rest of the run"
+    assert len(notices) == 1 and rest in notices[0]
     assert _Logger.rows == ([1] if fail == "log" else [1, 2, 3])
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert _Logger.closed == (fail != "close")  # a logger dropped mid-run is closed too
+
+
+def test_a_logger_named_twice_logs_once(tmp_path, monkeypatch):
+    """An older run's config.yaml may name one twice: it wrote every point twice."""
+    monkeypatch.setitem(metrics.LOGGERS, "fake", (_Logger, "json"))
+    monkeypatch.setattr(_Logger, "rows", [])
+    log = RunLog(tmp_path, ("fake", "fake"), {}, 1, 0, [].append)
+    log.log(ROW)
+    log.close()
+    assert _Logger.rows == [1]
 
 
 def test_a_file_size_limit_is_named_as_the_disk_error_it_is(tmp_path):

@@ -122,7 +122,8 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
         if f != single:  # each tensor from the shard the index names (a stray copy elsewhere would win by order)
             elsewhere = [k for k in shard if weight_map.get(k, f.name) != f.name]
-            absent = [k for k, v in weight_map.items() if v == f.name and k not in shard]
+            absent = [k for k, v in weight_map.items() if v == f.name and k not in shard
+                      and not k.endswith(IGNORED_SUFFIXES)]
             if elsewhere or absent:
                 raise CheckpointError(f"{index}: its weight_map does not match {f.name}: " + "; ".join(
                     what for what in (elsewhere and f"{f.name} holds {', '.join(elsewhere[:3])}, mapped to another "

@@ -207,6 +207,15 @@ def fitting(rows: list[dict], max_prompt_tokens: int, source) -> tuple[list[dict
     return fit, len(rows) - len(fit)
 
 
+def unread_data(cfg) -> list[str]:
+    """A data.eval that no evaluation reads (run.eval_every=0 or data.n_eval=0), as a line to
+    say at start-up (the file is then not loaded)."""
+    if cfg.data.eval is None or (cfg.run.eval_every and cfg.data.n_eval):
+        return []
+    why = "run.eval_every=0 evaluates never" if not cfg.run.eval_every else "data.n_eval=0 evaluates on no prompts"
+    return [f"data.eval={cfg.data.eval} is not read: {why}"]
+
+
 def held_out_count(cfg, rows: int) -> int:
     """How many of a file's `rows` training prompts `datasets` holds out for evaluation when
     no data.eval is given: data.n_eval, at most a tenth of them (none without evaluation)."""
@@ -246,10 +255,6 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
     """(train rows, eval rows, prompts skipped as longer than `limit` tokens) for a
     TrainConfig's data section: the built-in task's problems, or the files'."""
     task = ArithmeticTask()
-    if cfg.data.eval is not None and not cfg.run.eval_every:
-        log(f"data.eval={cfg.data.eval} is not read: run.eval_every=0 evaluates never")
-    elif cfg.run.eval_every and not cfg.data.n_eval:
-        log(f"run.eval_every={cfg.run.eval_every} is not read: data.n_eval=0 evaluates on no prompts")
 
     def rows(problems):
         return [{"prompt_ids": tokenizer.encode(p["prompt"]), "answer": p["answer"]} for p in problems]
@@ -270,11 +275,12 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
         elif cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
             log(f"data.eval not given and {cfg.data.train} has {len(train)} prompts, too few to hold a tenth out: "
                 f"no held-out evaluation (give data.eval=FILE)")
-    if cfg.data.eval == "builtin" or (cfg.data.eval is None and cfg.data.train == "builtin"):
+    evaluates = cfg.run.eval_every and cfg.data.n_eval  # else no held-out prompts are loaded (`unread_data`)
+    if evaluates and (cfg.data.eval == "builtin" or (cfg.data.eval is None and cfg.data.train == "builtin")):
         evals, more = fitting(rows(task.problems(cfg.data.n_eval, seed=HELD_OUT_SEED)), limit,
                               "data.eval (the held-out built-in problems)")
         skipped += more
-    elif cfg.data.eval is not None:
+    elif evaluates and cfg.data.eval is not None:
         evals, more = load_task_rows(cfg.data.eval, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         skipped += more
     return train, evals[: cfg.data.n_eval], skipped

@@ -134,7 +134,8 @@ def claim_run_dir(cfg, resume: Path | None):
         return _claim(cfg, resume)
     except OSError as e:
         where = f"--resume {resume}" if resume is not None else f"run.out_dir={cfg.run.out_dir} run.name={cfg.run.name}"
-        raise ConfigError(f"cannot claim the run directory {e.filename or ''} ({e.strerror or e}; {where})") from None
+        path = f" {e.filename}" if e.filename else ""
+        raise ConfigError(f"cannot claim the run directory{path} ({e.strerror or e}; {where})") from None
 
 
 def _claim(cfg, resume: Path | None):
@@ -166,14 +167,18 @@ def _claim(cfg, resume: Path | None):
             if name:
                 raise
             continue
-        if _holds_a_run(path):  # another run claimed it between our check and the lock
-            lock.release()
-            if name:
-                raise ConfigError(f"{path} already holds a run; give another run.name")
-            continue
-        for stale in (REWARD_LOG, "wandb-id"):  # of a run that ended in its first step: not this one's
-            (path / stale).unlink(missing_ok=True)
-        lock.created = lock.created or not any(p.name != ".lock" for p in path.iterdir())
+        try:
+            if _holds_a_run(path):  # another run claimed it between our check and the lock
+                lock.release()
+                if name:
+                    raise ConfigError(f"{path} already holds a run; give another run.name")
+                continue
+            for stale in (REWARD_LOG, "wandb-id"):  # of a run that ended in its first step: not this one's
+                (path / stale).unlink(missing_ok=True)
+            lock.created = lock.created or not any(p.name != ".lock" for p in path.iterdir())
+        except OSError:  # claimed, then refused by the file system: leave nothing behind
+            lock.release(remove_if_unused=True)
+            raise
         return replace(cfg, run=replace(cfg.run, name=candidate)), lock
     raise ConfigError(f"run.out_dir {out}: no free run name left")
 

@@ -22,7 +22,8 @@ from tailtamer.model.drafter import load_drafter
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.rl.checkpoint import checkpoint_step, earlier_checkpoint_hint, latest_checkpoint, load_checkpoint
-from tailtamer.rl.data import PromptOrder, check_builtin_fits, context_cut, datasets, held_out_count, read_rows
+from tailtamer.rl.data import (PromptOrder, check_builtin_fits, context_cut, datasets, held_out_count, read_rows,
+                               unread_data)
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
 from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG, VLLM_LOG, check_run_files
@@ -118,9 +119,10 @@ def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
 
 
 def say_unread(cfg: TrainConfig, log=print) -> None:
-    """The spec settings this run's mode does not read (`SpecConfig.unread`), once per run."""
+    """The spec and data settings this run does not read (`SpecConfig.unread`, `unread_data`),
+    once per run."""
     filled = vllm_arms(cfg.spec.drafter) if cfg.rollout.backend == "vllm" else {}
-    for line in cfg.spec.unread(filled):
+    for line in cfg.spec.unread(filled) + unread_data(cfg):
         log(line)
 
 
