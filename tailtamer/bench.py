@@ -341,8 +341,11 @@ def bench_rollout(model_dir: str | None = None, prompts: int = 64, n: int = 8, r
         from tailtamer.plots import plot_rollout_timeline
 
         when = "at every batch size (the bandit's choice)" if threshold is None else f"at <= {threshold} running"
-        plot_rollout_timeline(results[shown][1].timeline, plot, f"{shown} rollout: {prompts}x{n} samples, SD {when}")
-        report["plot"] = plot
+        try:  # the report counts more than its figure: a plot that cannot be written is said
+            plot_rollout_timeline(results[shown][1].timeline, plot, f"{shown} rollout: {prompts}x{n} samples, SD {when}")
+            report["plot"] = plot
+        except OSError as e:
+            report["plot"] = f"not written: {plot} ({e.strerror or e})"
     return report
 
 

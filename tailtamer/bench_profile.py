@@ -102,11 +102,13 @@ def profile_rl(steps: int = 6, overrides: tuple[str, ...] = (), out_dir: str = "
     from pathlib import Path
 
     from tailtamer.bench import _quiet
+    from tailtamer.bench_train import check_replaceable
     from tailtamer.config import load_train_config
     from tailtamer.rl.trainer import launch
 
     cfg = load_train_config(None, [f"run.steps={steps}", "run.name=profile", f"run.out_dir={out_dir}",
                                    "run.eval_every=0", "run.save_every=0", *overrides])
+    check_replaceable(Path(out_dir) / "profile", "bench profile")  # its own earlier run only
     shutil.rmtree(Path(out_dir) / "profile", ignore_errors=True)
     launch(cfg, console=_quiet)
     rows = [json.loads(line) for line in (Path(out_dir) / "profile" / "metrics.jsonl").read_text().splitlines()][1:]

@@ -79,6 +79,8 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
         return [f"run.steps={steps}", f"run.name={name}-{r}", f"run.out_dir={out_dir}", "run.eval_every=0",
                 "run.save_every=0", *overrides, *ARMS[name]]
 
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise TailtamerError(f"{out_dir}: bench train keeps its runs in this directory, but it is a file; move it away")
     for run in (Path(out_dir) / f"{name}-{r}" for r in range(repeats) for name in ARMS):  # before minutes of work
         check_replaceable(run)
     # once, here: the base model's SFT and the drafter's warm-up on a first run (cached; minutes,
@@ -98,22 +100,23 @@ def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-tr
     return train_report(rows, steps, repeats, overrides, out_dir)
 
 
-def check_replaceable(run: Path) -> None:
-    """bench train replaces its earlier runs (`sd-N`, `off-N` in its directory), and nothing
-    else: a directory there holding anything but a run's own files is refused in one line."""
+def check_replaceable(run: Path, what: str = "bench train") -> None:
+    """A benchmark (`what`) replaces its earlier runs (bench train's `sd-N`, `off-N` in its
+    directory, bench profile's), and nothing else: a directory there holding anything but a
+    run's own files is refused in one line, as is a file where its directory belongs."""
     from tailtamer.rl.run_dir import RUN_DIRS, RUN_FILES
 
     if not run.exists() and not run.is_symlink():
         return
     if run.is_symlink() or not run.is_dir():
-        raise TailtamerError(f"{run}: bench train replaces its earlier runs there, but this is "
+        raise TailtamerError(f"{run}: {what} replaces its earlier runs there, but this is "
                              f"{'a symlink' if run.is_symlink() else 'a file'}, not a run directory; move it away")
     ours = {*RUN_FILES, *RUN_DIRS, ".lock"}
     # with what a killed write of one of them leaves: a hidden temporary .NAME.XXXX(.tmp) (tailtamer.atomic)
     foreign = sorted(p.name for p in run.iterdir()
                      if p.name not in ours and not any(p.name.startswith(f".{name}.") for name in ours))
     if foreign:
-        raise TailtamerError(f"{run}: bench train replaces its earlier runs there, but it holds {', '.join(foreign[:3])}"
+        raise TailtamerError(f"{run}: {what} replaces its earlier runs there, but it holds {', '.join(foreign[:3])}"
                              f"{' ...' * (len(foreign) > 3)}, not a run's files; move them away")
 
 

@@ -353,7 +353,9 @@ def cmd_bench(args) -> None:
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
                              f"model (tailtamer drafter train --model {args.model} --data ... --out DIR)")
     if args.out is not None:
-        output_file(args.out, "--out", {k: v for k, v in (("--model", args.model), ("--drafter", args.drafter)) if v})
+        own = {"train": "runs/bench-train", "profile": "runs/bench-profile"}.get(args.what)  # its runs go there
+        output_file(args.out, "--out", {k: v for k, v in (("--model", args.model), ("--drafter", args.drafter),
+                                                         (f"bench {args.what}'s runs", own)) if v})
     if args.what == "profile":
         from tailtamer.bench_profile import bench_profile
 

@@ -81,3 +81,32 @@ def test_a_rollouts_seconds_split_by_running_requests_in_the_bandits_buckets():
     expected = {"prefill": 0.05, "catch_up": 0.01, "1-2": 0.3, "3-64": 0.7, "65-255": 0.75, "256+": 0.6}
     assert parts == pytest.approx({**expected, "other": 2.3 - sum(expected.values())})
     assert list(seconds_by_running(stats, (1, 2, 4)))[2:5] == ["1", "2-3", "4+"]
+
+
+def test_benchmarks_never_replace_what_is_not_their_own(model_dir, tmp_path, monkeypatch, capsys):
+    """bench profile deleted runs/bench-profile/profile whatever it held; bench train's run
+    directory as a file, or --out inside it, ended in tracebacks; a rollout's figure that could
+    not be written lost the report."""
+    from tailtamer.bench_profile import profile_rl
+    from tailtamer.bench_train import bench_train
+    from tailtamer.cli import main
+    from tailtamer.errors import TailtamerError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "bench-profile" / "profile").mkdir(parents=True)
+    (tmp_path / "runs" / "bench-profile" / "profile" / "notes.txt").write_text("mine\n")
+    with pytest.raises(TailtamerError, match="bench profile replaces its earlier runs there, but it holds notes.txt"):
+        profile_rl(2)
+    assert (tmp_path / "runs" / "bench-profile" / "profile" / "notes.txt").read_text() == "mine\n"
+    (tmp_path / "runs" / "bench-train").write_text("x\n")
+    with pytest.raises(TailtamerError, match="runs/bench-train: bench train keeps its runs in this directory, but it "
+                                             "is a file"):
+        bench_train(1, 1)
+    assert main(["bench", "train", "--steps", "1", "--out", "runs/bench-train/sd-0"]) == 2
+    assert "would overwrite bench train's runs runs/bench-train" in capsys.readouterr().err
+    model, _ = load_pretrained(model_dir)
+    save_drafter(init_drafter(model, std=0.2), tmp_path / "drafter")
+    (tmp_path / "afile").write_text("x\n")
+    report = bench_rollout(str(model_dir), prompts=2, n=2, repeats=1, max_new_tokens=4, plot="afile/t.png",
+                           arms=("adaptive_fresh_bandit",), drafter_dir=str(tmp_path / "drafter"))
+    assert report["plot"].startswith("not written: afile/t.png") and "adaptive_fresh_bandit" in report["arms"]

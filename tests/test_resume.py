@@ -155,3 +155,20 @@ def test_a_resume_that_fails_before_its_first_step_keeps_the_summary(toy, tmp_pa
     with pytest.raises(TrainingError, match="the step failed"):
         _train(toy, "run.steps=4", resume=run)
     assert (run / "summary.json").read_text() == summary
+
+
+def test_a_resume_cannot_swap_the_drafter_its_checkpoints_keep(tmp_path):
+    """A resume with another spec.drafter went on with the checkpoint's drafter, yet recorded the
+    new one as applied (and config.yaml named it, failing later runs of that config)."""
+    from tailtamer.config import to_dict
+    from tailtamer.rl.run_dir import resume_changes
+
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step-000002" / "drafter").mkdir(parents=True)
+    cfg = load_train_config(None, [f"run.out_dir={tmp_path}", "run.name=r"])
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+    other = load_train_config(None, [f"run.out_dir={tmp_path}", "run.name=r", f"spec.drafter={tmp_path / 'other'}"])
+    with pytest.raises(ConfigError, match=r"spec.drafter cannot change: the run's drafter is trained on and kept in its "
+                                          r"checkpoints"):
+        resume_changes(run, to_dict(other))
+    assert resume_changes(run, to_dict(cfg)) == {}

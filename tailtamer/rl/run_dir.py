@@ -248,6 +248,10 @@ def resume_changes(run_dir: Path, cfg_dict: dict) -> dict:
     if fixed:
         raise ConfigError(f"--resume {run_dir}: {', '.join(fixed)} cannot change when a run is resumed "
                           f"(it is {changes[fixed[0]][0]!r}); start a new run instead")
+    if "spec.drafter" in changes and any((run_dir / "checkpoints").glob("step-*/drafter")):
+        raise ConfigError(f"--resume {run_dir}: spec.drafter cannot change: the run's drafter is trained on and kept "
+                          f"in its checkpoints (checkpoints/step-N/drafter), and the resume goes on with it; start a "
+                          f"new run to draft with another")
     return changes
 
 
