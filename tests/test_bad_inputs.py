@@ -49,7 +49,9 @@ def test_bench_never_writes_over_its_model(model_dir, tmp_path, capsys):
     code = main(["bench", "decode", "--model", str(model_dir), "--out", str(model_dir / "config.json"), "--repeats", "1"])
     _one_line_error(capsys, "would overwrite --model", code)
     assert (model_dir / "config.json").read_text() == before
-    _one_line_error(capsys, "--out is empty", main(["bench", "decode", "--out", "", "--repeats", "1"]))
+    with pytest.raises(SystemExit) as stop:  # argparse's own exit
+        main(["bench", "decode", "--out", "", "--repeats", "1"])
+    _one_line_error(capsys, "argument --out: empty; give a value", stop.value.code)
 
 
 def test_an_output_never_replaces_a_file_of_another_model_or_run(model_dir, tmp_path, capsys):
