@@ -59,6 +59,11 @@ def engine_vs_transformers(model_dir: Path, batches=(1, 16), new_tokens: int = 6
     from transformers import AutoModelForCausalLM
 
     ours = load_model(model_dir)
+    room = ours.config.max_position_embeddings - prompt_len
+    if new_tokens > room:  # the engine stops at the context: tokens/s of tokens never made would be counted
+        raise ConfigError(f"--new-tokens {new_tokens}: the model's context ({ours.config.max_position_embeddings} "
+                          f"tokens, config.json max_position_embeddings) holds {room} after the benchmark's "
+                          f"{prompt_len}-token prompts")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = Engine(ours, config=EngineConfig(max_batch_size=max(batches)), eos_ids=())
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
