@@ -41,26 +41,32 @@ STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
 def torchrun_env(env) -> tuple[int, int, int]:
     """(WORLD_SIZE, RANK, LOCAL_RANK) of a torchrun-style environment, checked: (1, 0, 0)
-    without WORLD_SIZE; a ConfigError that names what is missing or wrong otherwise (a stray
-    WORLD_SIZE, a rank outside the group), and says how to run alone."""
-    alone = "unset WORLD_SIZE to run on this machine alone (run.workers)"
+    without WORLD_SIZE, and a group of one needs nothing else; a ConfigError that names what
+    is missing or wrong otherwise (a stray WORLD_SIZE, a rank outside the group), and says how
+    to run alone."""
     if not env.get("WORLD_SIZE"):
         return 1, 0, 0
-    values = {}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
-        text = env.get(name) or ("" if name in ("WORLD_SIZE", "RANK") else "0")
-        if not text.strip().isdigit():
+    alone = "unset WORLD_SIZE to run on this machine alone (run.workers)"
+
+    def whole(name: str, default: str | None = None) -> int:
+        text = env.get(name) or default
+        if text is None or not text.strip().isdigit():
             raise ConfigError(f"the environment sets WORLD_SIZE={env['WORLD_SIZE']} but "
                               + (f"{name}={text}, not a whole number" if text else f"not {name}")
                               + f": a worker of a torchrun group needs RANK, MASTER_ADDR and MASTER_PORT; {alone}")
-        values[name] = int(text)
-    world, rank = values["WORLD_SIZE"], values["RANK"]
-    if world > 1 and not env.get("MASTER_ADDR"):
+        return int(text)
+
+    world = whole("WORLD_SIZE")
+    if world == 1:
+        return 1, 0, whole("LOCAL_RANK", "0")
+    rank = whole("RANK")
+    if not env.get("MASTER_ADDR"):
         raise ConfigError(f"the environment sets WORLD_SIZE={world} but not MASTER_ADDR: a worker of a torchrun "
                           f"group needs it; {alone}")
+    whole("MASTER_PORT")
     if not 0 <= rank < world:
         raise ConfigError(f"the environment sets RANK={rank}, outside a group of WORLD_SIZE={world} workers; {alone}")
-    return world, rank, values["LOCAL_RANK"] if env.get("LOCAL_RANK") else rank
+    return world, rank, whole("LOCAL_RANK", str(rank))
 
 
 class WorkerError(TailtamerError):

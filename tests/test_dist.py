@@ -290,6 +290,7 @@ def test_a_stop_passed_on_by_the_launcher_is_named_as_the_launcher_received_it()
     ({"WORLD_SIZE": "0", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=0, outside a group of "
                                                                                  "WORLD_SIZE=0 workers"),
     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "p"}, "WORLD_SIZE=2 but MASTER_PORT=p, not a whole number"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h"}, "WORLD_SIZE=2 but not MASTER_PORT"),
 ])
 def test_an_incomplete_torchrun_environment_is_one_line(env, message):
     """A stray WORLD_SIZE raised KeyError: 'RANK' (and a RANK of letters ValueError, before the
@@ -298,7 +299,7 @@ def test_an_incomplete_torchrun_environment_is_one_line(env, message):
 
     with pytest.raises(ConfigError, match=f"^the environment sets {message}"):
         torchrun_env(env)
-    assert torchrun_env({}) == (1, 0, 0)
+    assert torchrun_env({}) == torchrun_env({"WORLD_SIZE": "1"}) == (1, 0, 0)  # a group of one needs no more
     assert torchrun_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
                          "MASTER_PORT": "29500"}) == (4, 3, 1)
 
