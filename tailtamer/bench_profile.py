@@ -94,7 +94,10 @@ def profile_decode(model_dir, drafter_dir, batches=(1, 4, 16), new_tokens: int =
     return rows
 
 
-def profile_rl(steps: int = 6, overrides: tuple[str, ...] = (), out_dir: str = "runs/bench-profile") -> dict:
+RUNS = "runs/bench-profile"  # where its RL run goes (profile), replaced by its next run
+
+
+def profile_rl(steps: int = 6, overrides: tuple[str, ...] = (), out_dir: str = RUNS) -> dict:
     """Medians over the steps (the first excluded) of each phase of the RL step, as worker 0
     and the slowest worker saw it, with the rollout's tail."""
     import json

@@ -58,7 +58,10 @@ def run_paced(jobs: dict[str, list[str]], logs: dict[str, Path], timeout_s: floa
                 p.wait()
 
 
-def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = "runs/bench-train",
+RUNS = "runs/bench-train"  # where its runs go (sd-N, off-N), replaced by its next run
+
+
+def bench_train(steps: int = 10, repeats: int = 1, out_dir: str = RUNS,
                 overrides: tuple[str, ...] = ()) -> dict:
     """The whole RL step of the built-in default job (this machine's default workers, adaptive
     SD, adaptive drafter) against the same job with SD off (`spec.mode=off`), step by step in

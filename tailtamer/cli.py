@@ -353,7 +353,10 @@ def cmd_bench(args) -> None:
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
                              f"model (tailtamer drafter train --model {args.model} --data ... --out DIR)")
     if args.out is not None:
-        own = {"train": "runs/bench-train", "profile": "runs/bench-profile"}.get(args.what)  # its runs go there
+        from tailtamer.bench_profile import RUNS as PROFILE_RUNS
+        from tailtamer.bench_train import RUNS as TRAIN_RUNS
+
+        own = {"train": TRAIN_RUNS, "profile": PROFILE_RUNS}.get(args.what)  # its runs go there
         output_file(args.out, "--out", {k: v for k, v in (("--model", args.model), ("--drafter", args.drafter),
                                                          (f"bench {args.what}'s runs", own)) if v})
     if args.what == "profile":

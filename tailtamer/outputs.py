@@ -60,14 +60,14 @@ def owned_by(path: Path) -> str | None:
     metrics.jsonl), for the files each keeps (a run's checkpoints, drafter and loggers'
     directories included); None for any other file, which an output replaces as asked (a
     command run again into the same --out, a file of the user's beside a run)."""
+    model = path.parent
+    if (path.name in MODEL_FILES or path.suffix == ".safetensors") and (model / "config.json").is_file() \
+            and any(model.glob("*.safetensors")):
+        return f"a file of the model or drafter {model}"
     for directory in path.parents:
-        if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists():
-            top = path.relative_to(directory).parts[0]
-            if top in RUN_FILES or top in RUN_DIRS:
-                return f"a file of the training run {directory}"
-        if directory == path.parent and (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
-            if path.name in MODEL_FILES or path.suffix == ".safetensors":
-                return f"a file of the model or drafter {directory}"
+        if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists() \
+                and path.relative_to(directory).parts[0] in (*RUN_FILES, *RUN_DIRS):
+            return f"a file of the training run {directory}"
     return None
 
 

@@ -207,10 +207,16 @@ def fitting(rows: list[dict], max_prompt_tokens: int, source) -> tuple[list[dict
     return fit, len(rows) - len(fit)
 
 
+def evaluates(cfg) -> bool:
+    """Whether the run evaluates held-out prompts: run.eval_every and data.n_eval both set.
+    Without it no held-out prompts are loaded or held out."""
+    return bool(cfg.run.eval_every and cfg.data.n_eval)
+
+
 def unread_data(cfg) -> list[str]:
     """A data.eval that no evaluation reads (run.eval_every=0 or data.n_eval=0), as a line to
     say at start-up (the file is then not loaded)."""
-    if cfg.data.eval is None or (cfg.run.eval_every and cfg.data.n_eval):
+    if cfg.data.eval is None or evaluates(cfg):
         return []
     why = "run.eval_every=0 evaluates never" if not cfg.run.eval_every else "data.n_eval=0 evaluates on no prompts"
     return [f"data.eval={cfg.data.eval} is not read: {why}"]
@@ -219,7 +225,7 @@ def unread_data(cfg) -> list[str]:
 def held_out_count(cfg, rows: int) -> int:
     """How many of a file's `rows` training prompts `datasets` holds out for evaluation when
     no data.eval is given: data.n_eval, at most a tenth of them (none without evaluation)."""
-    if cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
+    if cfg.data.eval is None and evaluates(cfg):
         return min(cfg.data.n_eval, rows // 10)
     return 0
 
@@ -272,15 +278,14 @@ def datasets(cfg, tokenizer, limit: int, log) -> tuple[list, list, int]:
             log(f"data.eval not given: holding out {len(evals)} of the {len(train) + len(evals)} prompts of "
                 f"{cfg.data.train} for evaluation (data.n_eval, at most a tenth; give data.eval=FILE, or "
                 f"run.eval_every=0 to train on all)")
-        elif cfg.data.eval is None and cfg.run.eval_every and cfg.data.n_eval:
+        elif cfg.data.eval is None and evaluates(cfg):
             log(f"data.eval not given and {cfg.data.train} has {len(train)} prompts, too few to hold a tenth out: "
                 f"no held-out evaluation (give data.eval=FILE)")
-    evaluates = cfg.run.eval_every and cfg.data.n_eval  # else no held-out prompts are loaded (`unread_data`)
-    if evaluates and (cfg.data.eval == "builtin" or (cfg.data.eval is None and cfg.data.train == "builtin")):
+    if evaluates(cfg) and (cfg.data.eval == "builtin" or (cfg.data.eval is None and cfg.data.train == "builtin")):
         evals, more = fitting(rows(task.problems(cfg.data.n_eval, seed=HELD_OUT_SEED)), limit,
                               "data.eval (the held-out built-in problems)")
         skipped += more
-    elif evaluates and cfg.data.eval is not None:
+    elif evaluates(cfg) and cfg.data.eval is not None:
         evals, more = load_task_rows(cfg.data.eval, tokenizer, limit, cfg.data.prompt_key, cfg.data.answer_key)
         skipped += more
     return train, evals[: cfg.data.n_eval], skipped
