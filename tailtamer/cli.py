@@ -66,9 +66,12 @@ def nonempty(text: str) -> str:
 
 def seed(text: str) -> int:
     """argparse type: a seed PyTorch accepts."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
     if not 0 <= value < 2 ** 63:
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer from 0 to 2**63-1")
     return value
 
 
@@ -96,6 +99,8 @@ def cmd_train(args) -> None:
     from tailtamer.rl.trainer import launch
 
     if args.help_config:
+        if args.items or args.set or args.resume is not None:
+            raise TailtamerError("--help-config lists the config fields and runs nothing; give it alone")
         print(config_reference() if args.help_config == "markdown" else "\n".join(config_help()), end="" if
               args.help_config == "markdown" else "\n")
         return
@@ -110,6 +115,14 @@ def cmd_train(args) -> None:
             raise TailtamerError("--resume takes its config from the run directory; give only key=value overrides")
         path = resume / "config.yaml"
         if not path.is_file():
+            run = next((d for d in (*resume.parents, *resume.absolute().parents) if (d / "config.yaml").is_file()),
+                       None)
+            if run is not None and resume.exists():  # a checkpoint or other file of a run
+                latest = run / "checkpoints" / "latest"
+                pick = (f"; to resume from {resume.name}, write its name into {latest}"
+                        if resume.absolute().parent.name == "checkpoints" and resume.name.startswith("step-") else "")
+                raise TailtamerError(f"--resume {resume}: inside the run directory {run}, which resumes from the "
+                                     f"checkpoint {latest} names; give --resume {run}{pick}")
             what = ("is a file" if resume.is_file() else "no such directory" if not resume.is_dir()
                     else "not a run directory (it has no config.yaml)")
             raise TailtamerError(f"--resume {resume}: {what}; give a run's directory, e.g. runs/default")
@@ -218,6 +231,9 @@ def cmd_drafter_train(args) -> None:
             at_least_one(value, flag)
     if args.unroll is not None:
         check_unroll(args.unroll, "--unroll")
+    if args.init and not Path(args.init).is_dir():  # before the model loads, named by its flag
+        raise TailtamerError(f"--init {args.init}: " + ("a file; a drafter is a directory" if Path(args.init).exists()
+                                                        else "drafter directory not found"))
     fresh_output_dir(args.out, "--out")
     cfg = replace(DrafterTrainConfig(fc_bias=not args.no_fc_bias),
                   **{k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed), ("unroll", args.unroll))
@@ -343,12 +359,19 @@ def cmd_bench(args) -> None:
     for flag, value in given.items():  # a flag a benchmark would ignore is a mistake to say, not to skip
         if value is not None and args.what not in BENCH_FLAGS[flag]:
             raise TailtamerError(f"{flag} is for bench {', '.join(BENCH_FLAGS[flag])}, not bench {args.what}")
+    steps_given = args.steps is not None
     args.steps = 10 if args.steps is None else at_least_one(args.steps, "--steps")
     args.new_tokens = 64 if args.new_tokens is None else at_least_one(args.new_tokens, "--new-tokens")
     at_least_one(args.repeats, "--repeats")
     args.group = 8 if args.group is None else at_least_one(args.group, "--group")
     check_arms(args.arms or (), "--arms")
-    drafts = args.what in BENCH_FLAGS["--drafter"]
+    # bench rollout's arms other than plain all draft with the EAGLE drafter
+    drafts = args.what in ("sd", "profile") or (args.what == "rollout" and set(args.arms or ROLLOUT_ARMS) != {"plain"})
+    if args.drafter and not drafts:
+        raise TailtamerError("--drafter: bench rollout --arms plain drafts nothing; leave out --drafter")
+    if args.what == "profile" and args.model and steps_given:
+        raise TailtamerError("--steps: bench profile --model times decode steps only (the RL steps are the built-in "
+                             "job's); leave out --steps or --model")
     if drafts and args.model and not args.drafter:  # the built-in drafter is trained for the built-in model
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
                              f"model (tailtamer drafter train --model {args.model} --data ... --out DIR)")
@@ -398,7 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tailtamer.rollout.engine import EngineConfig
     from tailtamer.sft import SFTConfig
 
+    from tailtamer import __version__
+
     p = _Parser(prog="tailtamer", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"tailtamer {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     tr = sub.add_parser("train", help="GRPO-family RL; no arguments = the built-in default job")
@@ -521,8 +547,25 @@ def _run(args) -> None:
         raise
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; an unknown argument is named with the command it was given
+    to (`tailtamer bench`, not `tailtamer`, whose parser would otherwise report it)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        argv = sys.argv[1:] if argv is None else argv
+        parsers = [parser]
+        for name in (args.command, getattr(args, "drafter_command", None)):
+            if name is None or argv.index(unknown[0]) < argv.index(name):  # given before the command's name
+                break
+            sub = next(a for a in parsers[-1]._actions if isinstance(a, argparse._SubParsersAction))
+            parsers.append(sub.choices[name])
+        parsers[-1].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         with sigterm_stops_at_once():
             _run(args)

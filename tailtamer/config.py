@@ -75,7 +75,7 @@ def yaml_error(e: yaml.YAMLError) -> str:
 @dataclass(frozen=True)
 class RunConfig:
     name: str | None = f(None, "run directory name under out_dir; empty = default (default-2, ... when taken)")
-    out_dir: str = f("runs", "where run directories are written")
+    out_dir: str = f("runs", "where run directories are written (~ is the home directory)")
     model: str | None = f(None, "policy model directory; empty = the built-in base model (tailtamer sft)")
     steps: int = f(40, "RL steps")
     eval_every: int = f(10, "greedy accuracy on the held-out split every N steps (0 = never)")

@@ -27,7 +27,7 @@ def _writable_dir(directory: Path, flag: str, path: str) -> None:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
-        raise TailtamerError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+        raise TailtamerError(f"{flag} {path}: cannot create a file in {directory} ({e.strerror or e})") from None
 
 
 def output_file(path: str, flag: str, inputs: dict[str, str] = {}) -> None:
@@ -89,6 +89,8 @@ def fresh_output_dir(path: str, flag: str, ours: tuple[str, ...] = (), inputs: d
     if p.exists() and not p.is_dir():
         raise TailtamerError(f"{flag} {path} is {'a file' if p.is_file() else 'not a directory'}; give a directory "
                              f"to create")
-    if p.is_dir() and any(child.name not in ours for child in p.iterdir()):
-        raise TailtamerError(f"{flag} {path} already exists and is not empty; give a new directory")
+    other = p.is_dir() and sorted(child.name for child in p.iterdir() if child.name not in ours)
+    if other:
+        what = f"{other[0]}" + (f" and {len(other) - 1} more" if len(other) > 1 else "")
+        raise TailtamerError(f"{flag} {path} already exists and holds {what}; give a new directory")
     _writable_dir(p, flag, path)

@@ -38,7 +38,7 @@ def test_generate_never_writes_over_its_inputs(model_dir, tmp_path, capsys, case
     extra = {"stats-is-out": ["--stats", str(out)], "stats-unwritable": ["--stats", "/proc/nope/s.json"]}.get(case, [])
     code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), *extra])
     message = {"out-is-prompts": "would overwrite --prompts", "out-in-model": "would overwrite --model",
-               "stats-is-out": "would overwrite --out", "stats-unwritable": "cannot write there"}[case]
+               "stats-is-out": "would overwrite --out", "stats-unwritable": "cannot create a file in"}[case]
     _one_line_error(capsys, message, code)
     assert (prompts.read_text(), (model_dir / "config.json").read_text()) == before
     assert not (tmp_path / "o.jsonl").exists()
@@ -141,7 +141,7 @@ def test_demo_never_writes_into_another_directory(tmp_path, capsys):
     other = tmp_path / "run"
     other.mkdir()
     (other / "metrics.jsonl").write_text("{}\n")
-    _one_line_error(capsys, "already exists and is not empty", main(["demo", "--out", str(other)]))
+    _one_line_error(capsys, "already exists and holds metrics.jsonl;", main(["demo", "--out", str(other)]))
     (tmp_path / "f").write_text("x")
     _one_line_error(capsys, "is a file", main(["demo", "--out", str(tmp_path / "f")]))
 
@@ -207,7 +207,7 @@ def test_usage_errors_are_one_line(capsys):
     _one_line_error(capsys, "--n: invalid int value", code)
     with pytest.raises(SystemExit) as e:
         main(["init-model", "--preset", "tiny", "--out", "x", "--seed", "9" * 20])
-    _one_line_error(capsys, "--seed: invalid seed value", e.value.code)
+    _one_line_error(capsys, f"--seed: '{'9' * 20}': give an integer from 0 to 2**63-1", e.value.code)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -193,3 +193,42 @@ def test_the_configuration_reference_is_current():
     assert "| `rollout.backend` | `'tailtamer'` |" in reference and "## vllm" in reference
     path = Path(__file__).resolve().parent.parent / "docs" / "config.md"
     assert path.read_text() == reference, f"docs/config.md is out of date: run `{REFERENCE_COMMAND}`"
+
+
+def test_out_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """`run.out_dir=~/runs` (quoted in YAML, or after `=` where the shell leaves it) made a
+    directory named `~` in the working directory."""
+    from tailtamer.rl.run_dir import claim_run_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cfg, lock = claim_run_dir(load_train_config(None, ["run.out_dir=~/runs", "run.name=r"]), None)
+    lock.release()
+    assert (tmp_path / "home" / "runs" / "r").is_dir() and not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("overrides,why", [
+    (["spec.drafter=suffix"], "spec.drafter=suffix is model-free"),
+    (["spec.mode=off"], "spec.mode=off"),
+    (["spot.train=false"], "spot.train=false"),
+    (["spec.drafter=/a/drafter"], None),
+])
+def test_a_training_window_no_drafter_reads_is_said(overrides, why):
+    from tailtamer.rl.run_state import unread_spot
+
+    cfg = load_train_config(None, ["spot.single_worker=window", *overrides])
+    said = [f"spot.single_worker=window is not read: {why}, so no EAGLE drafter trains online"] if why else []
+    assert unread_spot(cfg) == said
+    assert unread_spot(load_train_config(None, overrides)) == []
+
+
+def test_one_bucket_threshold_is_one_entry():
+    from tailtamer.rollout.speculative import Strategy
+    from tailtamer.rollout.speculator import SpecConfig
+    from tailtamer.rollout.tuner import group_by_verify, validate_buckets
+
+    arms = [Strategy.parse(a) for a in ("4_2_8", "2_1_3")]
+    with pytest.raises(ConfigError, match=r"has 1 entry but the strategies form 2 groups"):
+        validate_buckets(group_by_verify(arms), [1])
+    with pytest.raises(ConfigError, match=r"has 1 entry but the default arms form"):
+        SpecConfig(mode="adaptive", drafter="x", bucket_thresholds=(1,)).make_tuner()

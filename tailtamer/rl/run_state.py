@@ -118,11 +118,22 @@ def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
     return replace(cfg, run=replace(cfg.run, model=model), spec=spec)
 
 
+def unread_spot(cfg: TrainConfig) -> list[str]:
+    """spot.single_worker=window where no EAGLE drafter trains online (SD off, a model-free
+    drafter, or spot.train=false)."""
+    eagle = cfg.spec.mode != "off" and cfg.spec.drafter not in ("suffix", "ngram")
+    if cfg.spot.single_worker != "window" or (eagle and cfg.spot.train):
+        return []
+    why = ("spot.train=false" if eagle else "spec.mode=off" if cfg.spec.mode == "off"
+           else f"spec.drafter={cfg.spec.drafter} is model-free")
+    return [f"spot.single_worker=window is not read: {why}, so no EAGLE drafter trains online"]
+
+
 def say_unread(cfg: TrainConfig, log=print) -> None:
-    """The spec and data settings this run does not read (`SpecConfig.unread`, `unread_data`),
-    once per run."""
+    """The spec, spot and data settings this run does not read (`SpecConfig.unread`,
+    `unread_spot`, `unread_data`), once per run."""
     filled = vllm_arms(cfg.spec.drafter) if cfg.rollout.backend == "vllm" else {}
-    for line in cfg.spec.unread(filled) + unread_data(cfg):
+    for line in cfg.spec.unread(filled) + unread_spot(cfg) + unread_data(cfg):
         log(line)
 
 
@@ -271,4 +282,4 @@ def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_dr
 
 
 def run_dir_of(cfg: TrainConfig, resume: Path | None) -> Path:
-    return resume or Path(cfg.run.out_dir) / (cfg.run.name or DEFAULT_NAME)
+    return resume or Path(cfg.run.out_dir).expanduser() / (cfg.run.name or DEFAULT_NAME)

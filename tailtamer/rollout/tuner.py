@@ -242,5 +242,6 @@ def validate_buckets(groups: list[list[Strategy]], thresholds: list[int]) -> Non
         raise ConfigError(f"spec.bucket_thresholds must start at 1 and increase strictly, got {thresholds}")
     if len(thresholds) != len(groups):
         sizes = [g[0].width for g in groups]
-        raise ConfigError(f"spec.bucket_thresholds has {len(thresholds)} entries but the strategies form "
+        entries = f"{len(thresholds)} entr{'y' if len(thresholds) == 1 else 'ies'}"
+        raise ConfigError(f"spec.bucket_thresholds has {entries} but the strategies form "
                           f"{len(groups)} groups by tokens to verify {sizes}: give one threshold per group")

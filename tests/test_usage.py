@@ -1,0 +1,57 @@
+"""What the command line says about its own usage: unknown arguments named with the command
+they were given to, `--version`, and where `--resume` was pointed into a run."""
+
+import pytest
+
+from tailtamer import __version__
+from tailtamer.cli import main
+
+
+def _usage_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as stop:  # argparse's own exit
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv,prog", [
+    (["bench", "decode", "--bogus", "x"], "tailtamer bench"),
+    (["drafter", "train", "--model", "m", "--data", "d", "--out", "o", "--bogus"], "tailtamer drafter train"),
+    (["train", "--seed", "3"], "tailtamer train"),
+    (["--bogus", "task", "--out", "t.jsonl"], "tailtamer"),
+])
+def test_an_unknown_argument_is_named_with_its_command(capsys, argv, prog):
+    """argparse reports an unknown argument from the top-level parser: `bench decode --bogus`
+    sent the user to `tailtamer --help`, which lists no bench flags."""
+    err = _usage_error(capsys, argv)
+    assert err.startswith(f"error: {prog}: unrecognized arguments: ") and f"(see {prog} --help)" in err, err
+
+
+@pytest.mark.parametrize("value", ["-5", "x", str(2 ** 63)])
+def test_a_bad_seed_says_what_is_accepted(capsys, value):
+    err = _usage_error(capsys, ["task", "--out", "t.jsonl", "--seed", value])
+    assert f"argument --seed: '{value}': give an integer from 0 to 2**63-1" in err, err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == f"tailtamer {__version__}\n"
+
+
+@pytest.mark.parametrize("inside,pick", [("checkpoints/step-000004", True), ("checkpoints", False),
+                                         ("metrics.jsonl", False)])
+def test_resume_pointed_into_a_run_names_the_run(tmp_path, capsys, monkeypatch, inside, pick):
+    """`--resume` given a checkpoint said 'not a run directory' without naming the run, nor how
+    an older checkpoint is resumed from."""
+    run = tmp_path / "runs" / "r"
+    (run / "checkpoints" / "step-000004").mkdir(parents=True)
+    (run / "config.yaml").write_text("run: {}\n")
+    (run / "metrics.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", f"runs/r/{inside}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume runs/r/{inside}: inside the run directory runs/r, ") and \
+        "give --resume runs/r" in err and len(err.splitlines()) == 1, err
+    assert ("to resume from step-000004, write its name into runs/r/checkpoints/latest" in err) == pick, err
