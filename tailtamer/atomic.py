@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +21,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     A symlink is followed: its target is replaced, the link stays."""
     path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_abandoned(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
@@ -87,10 +89,51 @@ def writing(what: str, where, left: str = ""):
         raise WriteError(f"cannot write {what} into {where} ({e.strerror or e}){left}") from None
 
 
+def _temp_prefix(final: Path) -> str:
+    """A hidden temporary sibling's name starts with its writer's PID and host, so that a later
+    write of the same path can tell one a killed writer left (SIGKILL, the OOM killer: no
+    handler runs) from one being written."""
+    return f".{final.name}.{os.getpid()}@{socket.gethostname()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def remove_abandoned(final: Path) -> None:
+    """Remove the hidden temporary siblings of `final` (`_temp_prefix`) whose writer was on
+    this host and is gone: a checkpoint or model killed mid-write otherwise keeps its size on
+    disk for good, hidden. Another host's (a shared file system) and a live writer's stay."""
+    start, host = f".{final.name}.", socket.gethostname()
+    try:
+        entries = [e for e in os.scandir(final.parent) if e.name.startswith(start)]
+    except OSError:
+        return
+    for entry in entries:
+        # mkstemp's and mkdtemp's names end in 8 random characters
+        writer = re.fullmatch(rf"(\d+)@{re.escape(host)}\.[a-z0-9_]{{8}}(\.tmp)?", entry.name[len(start):])
+        if writer is None or _alive(int(writer[1])):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except OSError:  # another process removed it first, or may not: the write goes on
+            pass
+
+
 def temp_dir(final: Path) -> Path:
     """A fresh hidden sibling directory of `final`, to write into and rename into place, with
     the permissions a new directory gets (mkdtemp's 0700 would hide checkpoints from others)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    remove_abandoned(final)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(final), dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())
     return tmp
 

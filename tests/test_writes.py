@@ -123,3 +123,31 @@ def test_a_file_size_limit_is_named_as_the_disk_error_it_is(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == f"errno {errno.EFBIG}", out.stdout + out.stderr
     assert [p.name for p in tmp_path.iterdir()] == []  # the partial checkpoint is gone
+
+
+def test_what_a_killed_write_left_is_removed_by_the_next_one(tmp_path):
+    """A write killed by SIGKILL (the OOM killer) runs no handler: its hidden temporary stayed
+    for good (1.4 GB for a 0.5B model). The next write of the same path removes it; one of a
+    live writer, of another host or of another file stays."""
+    import os
+    import signal
+    import socket
+
+    from tailtamer.atomic import atomic_write, write_dir
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    host = socket.gethostname()
+    dead, live = f"{child.pid}@{host}", f"{os.getppid()}@{host}"
+    left = [f".model.safetensors.{dead}.abcd_123.tmp", f".step-000010.{dead}.x1y2z3w4"]
+    kept = [f".model.safetensors.{live}.abcd_123.tmp", f".model.safetensors.{child.pid}@other-host.abcd_123.tmp",
+            f".model.safetensors.json.{dead}.abcd_123.tmp", ".model.safetensors.k3j2_x1a.tmp"]
+    for name in left[:1] + kept:
+        (tmp_path / name).write_text("partial")
+    (tmp_path / left[1]).mkdir()
+    (tmp_path / left[1] / "model.safetensors").write_text("partial")
+    atomic_write(tmp_path / "model.safetensors", lambda tmp: open(tmp, "w").write("whole"))
+    write_dir(tmp_path / "step-000010", lambda tmp: (tmp / "state.json").write_text("{}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "model.safetensors", "step-000010"])
+    assert (tmp_path / "model.safetensors").read_text() == "whole"
