@@ -151,3 +151,21 @@ def test_what_a_killed_write_left_is_removed_by_the_next_one(tmp_path):
     write_dir(tmp_path / "step-000010", lambda tmp: (tmp / "state.json").write_text("{}"))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "model.safetensors", "step-000010"])
     assert (tmp_path / "model.safetensors").read_text() == "whole"
+
+
+def test_a_finished_run_whose_summary_cannot_be_written_says_what_is_complete(toy, tmp_path, monkeypatch):
+    """It said how to resume a run that had nothing left to resume."""
+    from tailtamer.config import load_train_config
+    from tailtamer.errors import WriteError
+    from tailtamer.rl import trainer
+
+    def full_disk(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "atomic_write_json", full_disk)
+    with pytest.raises(WriteError) as e:
+        trainer.train(load_train_config(None, toy + ["run.name=done", "run.steps=2"]), log=lambda *a: None)
+    assert str(e.value).endswith("(No space left on device); the run finished: its checkpoint of step 2 and "
+                                 "metrics.jsonl are complete"), e.value
+    assert "--resume" not in str(e.value)
+    assert (tmp_path / "runs" / "done" / "checkpoints" / "step-000002" / "state.json").is_file()

@@ -525,7 +525,9 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
                     log(f"no summary or plots written in {s.run_dir} ({type(e).__name__}: {e})")
     if not w.is_main:
         return None
-    with writing("summary.json and the plots", s.run_dir, f"; the run finished ({_resume_hint(s)})"):
+    # nothing is left to resume: say what is complete
+    with writing("summary.json and the plots", s.run_dir, f"; the run finished: its checkpoint of step "
+                 f"{s.saved_step} and metrics.jsonl are complete"):
         return _summarize(s, w.world, time.perf_counter() - t0, finished=True)
 
 
