@@ -347,7 +347,8 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from tailtamer.bench import ROLLOUT_ARMS, bench_decode, bench_random_model, bench_rollout, bench_sd, check_arms
+    from tailtamer.bench import (ROLLOUT_ARMS, SD_BATCHES, bench_decode, bench_random_model, bench_rollout, bench_sd,
+                                 check_arms)
     from tailtamer.bench_train import bench_train
 
     if args.preset and args.model:
@@ -364,6 +365,9 @@ def cmd_bench(args) -> None:
     args.new_tokens = 64 if args.new_tokens is None else at_least_one(args.new_tokens, "--new-tokens")
     at_least_one(args.repeats, "--repeats")
     args.group = 8 if args.group is None else at_least_one(args.group, "--group")
+    if args.group > max(SD_BATCHES):  # every batch would run one problem's `group` siblings: hours, memory
+        raise TailtamerError(f"--group {args.group}: at most {max(SD_BATCHES)}, bench sd's largest batch, whose "
+                             f"{max(SD_BATCHES)} requests then share one problem")
     check_arms(args.arms or (), "--arms")
     # bench rollout's arms other than plain all draft with the EAGLE drafter
     drafts = args.what in ("sd", "profile") or (args.what == "rollout" and set(args.arms or ROLLOUT_ARMS) != {"plain"})
