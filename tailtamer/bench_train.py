@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from tailtamer.errors import ConfigError, TailtamerError
+from tailtamer.stopping import Interrupted
 
 ARMS = {"sd": [], "off": ["spec.mode=off"]}
 # What `bench train` sets for each arm; an override of one would break the comparison.
@@ -51,11 +53,35 @@ def run_paced(jobs: dict[str, list[str]], logs: dict[str, Path], timeout_s: floa
                     raise TailtamerError(f"bench train: the {', '.join(running)} arm(s) took longer than {timeout_s} s "
                                          f"({', '.join(str(logs[n]) for n in running)})")
                 time.sleep(0.2)
+        except KeyboardInterrupt:
+            where = next(iter(logs.values())).parent
+            raise Interrupted(f"stopped by Ctrl-C: bench train's runs in {where} end where they were (the next bench "
+                              f"train replaces them); no report", "Ctrl-C") from None
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
+            _stop(procs.values())
+
+
+# An arm given a stop-at-once ends within this; then it is killed.
+STOP_GRACE_S = 10.0
+
+
+def _stop(procs) -> None:
+    """End the arms still running as two Ctrl-Cs do (the trainer's stop at once), so that each
+    unwinds (its workers, its queues' semaphores) rather than leave a killed process's debris in
+    its log; killed when it has not ended within STOP_GRACE_S."""
+    running = [p for p in procs if p.poll() is None]
+    for _ in range(2):
+        for p in running:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 RUNS = "runs/bench-train"  # where its runs go (sd-N, off-N), replaced by its next run
@@ -185,12 +211,11 @@ def arm_main(argv: list[str]) -> int:
     from tailtamer.config import load_train_config
     from tailtamer.pace import Pace
     from tailtamer.rl.trainer import launch
-    from tailtamer.stopping import Interrupted
 
     try:
         summary = launch(load_train_config(None, argv[1:]), console=print, pace=Pace(argv[0]))
     except Interrupted as e:
-        print(f"stopped: {e}", file=sys.stderr)
+        print(e, file=sys.stderr)
         return 130
     except KeyboardInterrupt:
         print("stopped: interrupted (Ctrl-C)", file=sys.stderr)

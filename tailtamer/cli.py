@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             _run(args)
     except Interrupted as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every worker stops alike: one says so
-            print(f"stopped: {e}", file=sys.stderr)
+            print(e, file=sys.stderr)  # "stopped by ... after step N; ..."
         return 130
     except KeyboardInterrupt as e:
         print(f"stopped: interrupted ({'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}); files are written "

@@ -84,6 +84,35 @@ def test_paced_train_runs_alternate_and_a_failing_arm_stops_the_other(toy, tmp_p
     assert not (out / "good" / "metrics.jsonl").exists() or not (out / "good" / "metrics.jsonl").read_text()
 
 
+def test_a_ctrl_c_to_bench_train_stops_its_arms_as_they_stop_themselves(toy, tmp_path, monkeypatch):
+    """The arms were killed outright: a run cut mid-write in each, and the killed launchers'
+    leaked-semaphore warnings in their logs. Now each arm gets the trainer's stop at once (two
+    Ctrl-Cs) and says so in its log, and bench train says what is left, in one line."""
+    import tailtamer.bench_train as bench_train
+    from tailtamer.bench_train import run_paced
+    from tailtamer.stopping import Interrupted
+
+    out, logs = tmp_path / "runs", {name: tmp_path / f"{name}.log" for name in ("a", "b")}
+    jobs = {name: toy + ["run.steps=200", f"run.name={name}", "run.save_every=0"] for name in logs}
+    sleep = time.sleep
+
+    def ctrl_c_once_running(seconds):
+        metrics = out / "b" / "metrics.jsonl"
+        if not ctrl_c_once_running.sent and metrics.exists() and metrics.read_text().count("\n") >= 2:
+            ctrl_c_once_running.sent = True
+            raise KeyboardInterrupt
+        sleep(seconds)
+
+    ctrl_c_once_running.sent = False
+    monkeypatch.setattr(bench_train.time, "sleep", ctrl_c_once_running)
+    with pytest.raises(Interrupted, match=rf"^stopped by Ctrl-C: bench train's runs in {tmp_path} end where they "
+                                          rf"were \(the next bench train replaces them\); no report$"):
+        run_paced(jobs, logs, timeout_s=300)
+    for log in logs.values():
+        text = log.read_text()
+        assert text.strip().splitlines()[-1].startswith("stopped") and "leaked semaphore" not in text, text
+
+
 def test_median_interval_brackets_the_median_and_narrows_with_more_values():
     import random
     import statistics

@@ -383,7 +383,9 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(toy, tmp_path, workers):
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     done = len(_rows(run))
-    assert f"stopped by Ctrl-C after step {done} of 40" in err and f"tailtamer train --resume {run}" in err
+    # one line, said once (it read "stopped: stopped by Ctrl-C ...")
+    assert err.strip().splitlines()[-1].startswith(f"stopped by Ctrl-C after step {done} of 40; ")
+    assert f"tailtamer train --resume {run}" in err
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{done:06d}"
     summary = json.loads((run / "summary.json").read_text())  # of the steps it took
     assert summary["steps"] == done and summary["finished"] is False and (run / "curves.png").is_file()
