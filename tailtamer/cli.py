@@ -268,7 +268,7 @@ def cmd_sft(args) -> None:
     from dataclasses import replace
 
     from tailtamer.atomic import write_dir
-    from tailtamer.sft import SFTConfig, ensure_base_model, train_sft
+    from tailtamer.sft import SFTConfig, ensure_base_model, partial_path, train_sft
 
     given = {"steps": args.steps, "habit_steps": args.habit_steps, "seed": args.seed, "preset": args.preset}
     if args.steps is not None:
@@ -277,7 +277,9 @@ def cmd_sft(args) -> None:
     if args.out:
         fresh_output_dir(args.out, "--out")
         info = {}
-        write_dir(Path(args.out), lambda tmp: info.update(train_sft(cfg, tmp)))
+        partial = partial_path(args.out)  # where a Ctrl-C saves, and the same command goes on
+        write_dir(Path(args.out), lambda tmp: info.update(train_sft(cfg, tmp, partial=partial)))
+        partial.unlink(missing_ok=True)
         print(f"wrote the base model to {args.out} (final loss {info['final_loss']:.4f})")
     else:
         print(ensure_base_model(cfg))

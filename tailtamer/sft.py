@@ -35,6 +35,7 @@ from tailtamer.errors import ConfigError
 from tailtamer.model.config import preset_config
 from tailtamer.model.io import init_model, save_model
 from tailtamer.model.tokenizer import Tokenizer, char_tokenizer
+from tailtamer.stopping import Interrupted, StopRequest
 from tailtamer.tasks.arithmetic import ArithmeticTask
 
 CACHE_ENV = "TAILTAMER_CACHE"
@@ -124,35 +125,54 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
+def partial_path(out_dir: str | Path) -> Path:
+    """Where an interrupted `train_sft` into `out_dir` keeps its state: a sibling file."""
+    out_dir = Path(os.path.abspath(out_dir))
+    return out_dir.with_name(out_dir.name + ".partial.pt")
+
+
+def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = print,
+              partial: Path | None = None) -> dict:
+    """Train the base model into `out_dir`. A Ctrl-C or SIGTERM stops after the step and saves
+    the state into `partial` (a file), from which the next call with the same config goes on:
+    the model, AdamW's state and the data stream where they were, so the result is the same as
+    an uninterrupted run's (a second Ctrl-C stops at once, saving nothing)."""
     tok = char_tokenizer()
     model_cfg = preset_config(cfg.preset, tok.vocab_size, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
-    model = init_model(model_cfg, seed=cfg.seed).train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    t0, loss_ema = time.perf_counter(), None
+    model, opt = _fresh_model(cfg, model_cfg)
+    total, start, loss_ema = cfg.steps + cfg.habit_steps, 0, None
+    if partial is not None and partial.exists():
+        try:
+            start, loss_ema = _load_partial(partial, cfg, model, opt)
+            log(f"going on from step {start} of {total}, saved in {partial}")
+        except Exception as e:  # any damage: start over (the file is replaced at the next stop)
+            log(f"{partial}: cannot go on from it ({type(e).__name__}: {e}); training the base model from the start")
+            model, opt = _fresh_model(cfg, model_cfg)
+    t0, rng = time.perf_counter(), random.Random(cfg.seed)
     worked = length_bucketed_batches(tok, cfg, rng)
     habit = length_bucketed_batches(tok, cfg, rng, direct_prob=cfg.direct_answer_prob)
-    total = cfg.steps + cfg.habit_steps
-    for step in range(total):
-        ids, mask = next(worked if step < cfg.steps else habit)
-        logits, _ = model(ids[:, :-1])
-        target_mask = mask[:, 1:]
-        loss = F.cross_entropy(logits[target_mask], ids[:, 1:][target_mask])
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        if step % 50 == 0 or step == total - 1:
-            log(f"sft step {step + 1:4d}/{total}  loss {loss_ema:.4f}  {time.perf_counter() - t0:6.1f}s")
+    for step in range(start):  # the data stream where it was: both streams draw from one rng
+        next(worked if step < cfg.steps else habit)
+    with StopRequest(log=log) as stop:
+        for step in range(start, total):
+            ids, mask = next(worked if step < cfg.steps else habit)
+            logits, _ = model(ids[:, :-1])
+            target_mask = mask[:, 1:]
+            loss = F.cross_entropy(logits[target_mask], ids[:, 1:][target_mask])
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+            if step % 50 == 0 or step == total - 1:
+                log(f"sft step {step + 1:4d}/{total}  loss {loss_ema:.4f}  {time.perf_counter() - t0:6.1f}s")
+            if stop.requested and step + 1 < total:
+                saved = "" if partial is None else _save_partial(partial, cfg, model, opt, step + 1, loss_ema)
+                raise Interrupted(f"stopped by {stop.reason} after step {step + 1} of {total} of the base model's "
+                                  f"training{saved}", stop.reason)
     model.eval()
     out_dir = Path(out_dir)
     save_model(model, out_dir)
@@ -161,6 +181,40 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
             "parameters": model_cfg.num_parameters()}
     atomic_write_json(out_dir / "sft.json", info)
     return info
+
+
+def _save_partial(path: Path, cfg: SFTConfig, model, opt, step: int, loss_ema: float) -> str:
+    """Save the training state after `step` steps; what to tell the user."""
+    state = {"key": cfg.key(), "step": step, "loss_ema": loss_ema, "model": model.state_dict(),
+             "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}
+    try:
+        atomic_write(path, lambda tmp: torch.save(state, tmp))
+    except OSError as e:
+        return f"; its state could not be saved into {path} ({e.strerror or e})"
+    return f"; saved in {path}: the same command goes on from there"
+
+
+def _fresh_model(cfg: SFTConfig, model_cfg):
+    """(model, AdamW) as training starts them, from the seed."""
+    torch.manual_seed(cfg.seed)
+    model = init_model(model_cfg, seed=cfg.seed).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    return model, opt
+
+
+def _load_partial(path: Path, cfg: SFTConfig, model, opt) -> tuple[int, float]:
+    """(steps done, loss average) of the state `_save_partial` wrote, loaded into `model` and
+    `opt`; raises when it cannot be read or is of another config."""
+    state = torch.load(path, weights_only=True)
+    if not isinstance(state, dict) or state.get("key") != cfg.key():
+        raise ValueError("of another sft config" if isinstance(state, dict) else "not a training state")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    return int(state["step"]), float(state["loss_ema"])
 
 
 def _byte_level_tokenizer(model_dir: Path) -> None:
@@ -194,5 +248,7 @@ def ensure_base_model(cfg: SFTConfig = SFTConfig(), log: Callable[[str], None] =
         raise ConfigError(f"cannot write the base model into {target.parent} ({e.strerror or e}); set {CACHE_ENV} "
                           f"to a writable directory") from None
     log(f"training the base model into {target} (cached for later runs)")
-    write_dir(target, lambda tmp: train_sft(cfg, tmp, log), existing="keep")  # another process may finish first
+    partial = partial_path(target)
+    write_dir(target, lambda tmp: train_sft(cfg, tmp, log, partial), existing="keep")  # another may finish first
+    partial.unlink(missing_ok=True)
     return target

@@ -96,6 +96,58 @@ def test_base_model_is_cached_by_config(tmp_path, monkeypatch):
         char_tokenizer().encode(text)
 
 
+def test_a_stopped_base_model_training_goes_on_where_it_was(tmp_path, monkeypatch):
+    """A Ctrl-C in the base model's training (8 minutes on 2 cores) lost all of it. Now it stops
+    after the step with its state saved beside the cache entry, and the same call goes on from
+    there to the very weights of an uninterrupted run; a damaged state is said and replaced."""
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    import tailtamer.sft as sft
+    from tailtamer.stopping import Interrupted
+
+    cfg = SFTConfig(steps=5, batch_size=4, warmup=1, habit_steps=3)
+    monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path / "straight"))
+    straight = load_file(ensure_base_model(cfg, log=lambda _: None) / "model.safetensors")
+    monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path / "stopped"))
+    lr_at = sft.lr_at
+
+    def ctrl_c_in_step(at):
+        sent = []
+
+        def lr(step, c):  # called once per parameter group: one Ctrl-C
+            if step == at and not sent:
+                sent.append(os.kill(os.getpid(), signal.SIGINT))  # as a terminal sends it, in the middle of the step
+            return lr_at(step, c)
+        return lr
+
+    for at, message in ((2, "after step 3 of 8"), (6, "after step 7 of 8")):  # in each phase
+        monkeypatch.setattr(sft, "lr_at", ctrl_c_in_step(at))
+        logs = []
+        with pytest.raises(Interrupted, match=rf"^stopped by Ctrl-C {message} of the base model's training; saved "
+                                              rf"in .*\.partial\.pt: the same command goes on from there$"):
+            ensure_base_model(cfg, log=logs.append)
+        assert "Ctrl-C: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)" in logs
+    monkeypatch.setattr(sft, "lr_at", lr_at)
+    logs = []
+    resumed = ensure_base_model(cfg, log=logs.append)
+    assert any(line.startswith("going on from step 7 of 8") for line in logs), logs
+    assert load_file(resumed / "model.safetensors").keys() == straight.keys()
+    assert all(torch.equal(load_file(resumed / "model.safetensors")[k], v) for k, v in straight.items())
+    assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == [resumed.name]  # the state is gone
+    # a damaged state: said, and training starts over, to the same weights
+    monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path / "damaged"))
+    (tmp_path / "damaged").mkdir()
+    partial = sft.partial_path(tmp_path / "damaged" / resumed.name)
+    partial.write_bytes(b"not a state")
+    logs = []
+    again = ensure_base_model(cfg, log=logs.append)
+    assert any(line.startswith(f"{partial}: cannot go on from it (") for line in logs), logs
+    assert all(torch.equal(load_file(again / "model.safetensors")[k], v) for k, v in straight.items())
+
+
 @pytest.mark.parametrize("kwargs,field", [({"steps": 0}, "steps"), ({"batch_size": 0}, "batch_size"),
                                           ({"lr": 0.0}, "lr"), ({"habit_steps": -1}, "habit_steps"),
                                           ({"direct_answer_prob": 1.5}, "direct_answer_prob")])
