@@ -469,7 +469,8 @@ def test_bench_sd_runs_a_grouped_workload_beside_the_single_one(model_dir, tmp_p
 
 def test_sigterm_stops_a_command_as_ctrl_c_does(tmp_path):
     """SIGTERM (a scheduler's stop) ended `sft` where it stood: no message, and an empty --out
-    and a hidden half-written sibling left behind. It now unwinds as a Ctrl-C does."""
+    and a hidden half-written sibling left behind. It now stops after the step, as a Ctrl-C
+    does, and saves its state beside --out for the same command to go on from."""
     import signal
     import time
 
@@ -483,9 +484,10 @@ def test_sigterm_stops_a_command_as_ctrl_c_does(tmp_path):
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == ("stopped: interrupted (SIGTERM); files are written atomically, so "
-                                            "nothing is half-written")
-    assert not (tmp_path / "models").exists()  # no empty --out, no hidden sibling
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGTERM after step ") and "of the base model's training; saved in " \
+        f"{out}.partial.pt: the same command goes on from there" in last, err
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["m.partial.pt"]  # no empty --out, no hidden sibling
 
 
 @pytest.mark.parametrize("args", [["generate", "--model=", "--prompts", "p", "--out", "o"],

@@ -35,6 +35,7 @@ def main(model_dir: str, drafter_dir: str, out: str) -> None:
     rows = [r for r in trainer.state.log_history if "tlt/drafter_steps" in r]
     Path(f"{out}.{rank}").write_text(json.dumps({
         "checksum": weights_checksum(rollout.adaptive.drafter), "rows": rows, "calls": rollout.calls}))
+    trainer.end()  # leaves the process group: exiting with it up may abort in PyTorch's teardown
 
 
 if __name__ == "__main__":
