@@ -89,11 +89,21 @@ def writing(what: str, where, left: str = ""):
         raise WriteError(f"cannot write {what} into {where} ({e.strerror or e}){left}") from None
 
 
+def _pid_space() -> str:
+    """Where this process's PID means this process: the host and its PID namespace (containers
+    of one pod share a host name and a volume, each with PIDs of its own)."""
+    try:
+        space = re.sub(r"\D", "", os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        space = "0"
+    return f"{socket.gethostname()}.{space}"
+
+
 def _temp_prefix(final: Path) -> str:
-    """A hidden temporary sibling's name starts with its writer's PID and host, so that a later
-    write of the same path can tell one a killed writer left (SIGKILL, the OOM killer: no
+    """A hidden temporary sibling's name starts with its writer's PID and PID space, so that a
+    later write of the same path can tell one a killed writer left (SIGKILL, the OOM killer: no
     handler runs) from one being written."""
-    return f".{final.name}.{os.getpid()}@{socket.gethostname()}."
+    return f".{final.name}.{os.getpid()}@{_pid_space()}."
 
 
 def _alive(pid: int) -> bool:
@@ -101,23 +111,24 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # another user's process
+    except (OSError, OverflowError):  # another user's process; a number no PID is: not ours to judge
         return True
     return True
 
 
 def remove_abandoned(final: Path) -> None:
-    """Remove the hidden temporary siblings of `final` (`_temp_prefix`) whose writer was on
-    this host and is gone: a checkpoint or model killed mid-write otherwise keeps its size on
-    disk for good, hidden. Another host's (a shared file system) and a live writer's stay."""
-    start, host = f".{final.name}.", socket.gethostname()
+    """Remove the hidden temporary siblings of `final` (`_temp_prefix`) whose writer was in
+    this PID space and is gone: a checkpoint or model killed mid-write otherwise keeps its size
+    on disk for good, hidden. Another host's or container's (a shared file system) and a live
+    writer's stay."""
+    start, space = f".{final.name}.", _pid_space()
     try:
         entries = [e for e in os.scandir(final.parent) if e.name.startswith(start)]
     except OSError:
         return
     for entry in entries:
         # mkstemp's and mkdtemp's names end in 8 random characters
-        writer = re.fullmatch(rf"(\d+)@{re.escape(host)}\.[a-z0-9_]{{8}}(\.tmp)?", entry.name[len(start):])
+        writer = re.fullmatch(rf"(\d+)@{re.escape(space)}\.[a-z0-9_]{{8}}(\.tmp)?", entry.name[len(start):])
         if writer is None or _alive(int(writer[1])):
             continue
         try:

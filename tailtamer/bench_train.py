@@ -9,6 +9,7 @@ minutes falls on both. Which arm goes first alternates repeat by repeat.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 from tailtamer.errors import ConfigError, TailtamerError
-from tailtamer.stopping import Interrupted
+from tailtamer.stopping import STOPPING, Interrupted, Terminated, exit_with_parent
 
 ARMS = {"sd": [], "off": ["spec.mode=off"]}
 # What `bench train` sets for each arm; an override of one would break the comparison.
@@ -38,9 +39,11 @@ def run_paced(jobs: dict[str, list[str]], logs: dict[str, Path], timeout_s: floa
         try:
             for arm, (name, args) in enumerate(jobs.items()):
                 with open(logs[name], "w") as log:
+                    # a session of its own: a terminal's Ctrl-C reaches bench train alone, which stops the arms
                     procs[name] = subprocess.Popen([sys.executable, "-m", "tailtamer.bench_train",
                                                     f"{pace}:{arm}:{len(jobs)}", *args],
-                                                   stdout=log, stderr=subprocess.STDOUT)
+                                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})  # a live log
             while True:
                 failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
                 if failed:
@@ -53,30 +56,35 @@ def run_paced(jobs: dict[str, list[str]], logs: dict[str, Path], timeout_s: floa
                     raise TailtamerError(f"bench train: the {', '.join(running)} arm(s) took longer than {timeout_s} s "
                                          f"({', '.join(str(logs[n]) for n in running)})")
                 time.sleep(0.2)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            by = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
             where = next(iter(logs.values())).parent
-            raise Interrupted(f"stopped by Ctrl-C: bench train's runs in {where} end where they were (the next bench "
-                              f"train replaces them); no report", "Ctrl-C") from None
+            raise Interrupted(f"stopped by {by}: bench train's runs in {where} end where they were (the next bench "
+                              f"train replaces them); no report", by) from None
         finally:
-            _stop(procs.values())
+            _stop(procs, logs)
 
 
-# An arm given a stop-at-once ends within this; then it is killed.
+# An arm given a stop at once ends within this (after the first Ctrl-C is heard: within this too); then it is killed.
 STOP_GRACE_S = 10.0
 
 
-def _stop(procs) -> None:
-    """End the arms still running as two Ctrl-Cs do (the trainer's stop at once), so that each
+def _stop(procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
+    """End the arms still running with the trainer's stop at once, two Ctrl-Cs, so that each
     unwinds (its workers, its queues' semaphores) rather than leave a killed process's debris in
-    its log; killed when it has not ended within STOP_GRACE_S."""
-    running = [p for p in procs if p.poll() is None]
-    for _ in range(2):
-        for p in running:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        time.sleep(0.2)
+    its log. The second is sent once the first was heard (the arm says so): two signals that
+    arrive during one long torch call reach Python's handler as one. Killed when an arm has
+    not ended within STOP_GRACE_S."""
+    running = {name: p for name, p in procs.items() if p.poll() is None}
+    for name, p in running.items():
+        p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while p.poll() is None and time.monotonic() < deadline and STOPPING not in logs[name].read_text():
+            time.sleep(0.05)
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
     deadline = time.monotonic() + STOP_GRACE_S
-    for p in running:
+    for p in running.values():
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -212,6 +220,7 @@ def arm_main(argv: list[str]) -> int:
     from tailtamer.pace import Pace
     from tailtamer.rl.trainer import launch
 
+    exit_with_parent(os.getppid())  # in a session of its own: a killed bench train's arms would go on
     try:
         summary = launch(load_train_config(None, argv[1:]), console=print, pace=Pace(argv[0]))
     except Interrupted as e:

@@ -96,6 +96,7 @@ def at_least_one(value: int, flag: str) -> int:
 
 def cmd_train(args) -> None:
     from tailtamer.config import config_help, config_reference, load_train_config
+    from tailtamer.outputs import run_holding
     from tailtamer.rl.trainer import launch
 
     if args.help_config:
@@ -115,9 +116,8 @@ def cmd_train(args) -> None:
             raise TailtamerError("--resume takes its config from the run directory; give only key=value overrides")
         path = resume / "config.yaml"
         if not path.is_file():
-            run = next((d for d in (*resume.parents, *resume.absolute().parents) if (d / "config.yaml").is_file()),
-                       None)
-            if run is not None and resume.exists():  # a checkpoint or other file of a run
+            run = run_holding(resume)
+            if run is not None:  # a checkpoint or other file of a run
                 latest = run / "checkpoints" / "latest"
                 pick = (f"; to resume from {resume.name}, write its name into {latest}"
                         if resume.absolute().parent.name == "checkpoints" and resume.name.startswith("step-") else "")
@@ -180,7 +180,7 @@ def cmd_generate(args) -> None:
     rows, prompts = load_prompts(args.prompts, tokenizer)
     check_responses_fit(len(prompts), args.n, args.max_new_tokens, "lower --n or --max-new-tokens, or split --prompts")
     if args.backend == "vllm":
-        drafter = load_drafter(spec.drafter, model) if spec.mode != "off" and spec.drafter not in ("ngram", "suffix") else None
+        drafter = load_drafter(spec.drafter, model) if spec.eagle else None
         engine = VLLMBackend(args.model, model, tokenizer, spec, bias_free(drafter),
                              VLLMConfig(dtype=args.dtype, compile=args.compile), args.max_batch_size,
                              log_file=Path(args.out).with_suffix(".vllm.log"))
@@ -279,7 +279,6 @@ def cmd_sft(args) -> None:
         info = {}
         partial = partial_path(args.out)  # where a Ctrl-C saves, and the same command goes on
         write_dir(Path(args.out), lambda tmp: info.update(train_sft(cfg, tmp, partial=partial)))
-        partial.unlink(missing_ok=True)
         print(f"wrote the base model to {args.out} (final loss {info['final_loss']:.4f})")
     else:
         print(ensure_base_model(cfg))
@@ -560,9 +559,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         argv = sys.argv[1:] if argv is None else argv
+        last = len(argv) - 1 - argv[::-1].index(unknown[-1])  # the token may also be a value given before it
         parsers = [parser]
         for name in (args.command, getattr(args, "drafter_command", None)):
-            if name is None or argv.index(unknown[0]) < argv.index(name):  # given before the command's name
+            if name is None or last < argv.index(name):  # given before the command's name
                 break
             sub = next(a for a in parsers[-1]._actions if isinstance(a, argparse._SubParsersAction))
             parsers.append(sub.choices[name])

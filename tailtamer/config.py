@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -98,6 +99,8 @@ class RunConfig:
                            "else float32), float32, bfloat16; weights and optimizer stay float32, log-probs float32")
 
     def __post_init__(self):
+        if isinstance(self.out_dir, str):  # as the shell would: `run.out_dir=~/runs` (after `=`) or in YAML
+            object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir))
         at_least(self, "run", 1, "steps", "keep_checkpoints")
         at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers", "log_samples_every", "seed")
         at_most(self, "run", 2 ** 32 - 1, "seed")  # what every library it seeds takes (NumPy's legacy seed: 32 bits)

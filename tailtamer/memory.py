@@ -339,8 +339,8 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
     if speculates:
         verify, draft_rows = rows_ahead(_strategies(spec))
         decode_rows = max(slots, spec.most_verified(slots, device_type))
-    eagle = speculates and spec.drafter not in (None, "ngram", "suffix")
-    trains = eagle and spot.train and (world > 1 or spot.single_worker == "window")
+    eagle = spec.eagle
+    trains = spot.trains(eagle, world)
     return estimate(
         model_cfg, weight_bytes=weight_bytes, master_fp32=master_fp32, compute_bytes=dtype_bytes, slots=slots,
         cache_len=seq + verify, cache_bytes=weight_bytes,

@@ -64,10 +64,17 @@ def owned_by(path: Path) -> str | None:
     if (path.name in MODEL_FILES or path.suffix == ".safetensors") and (model / "config.json").is_file() \
             and any(model.glob("*.safetensors")):
         return f"a file of the model or drafter {model}"
-    for directory in path.parents:
+    run = run_holding(path)
+    return None if run is None else f"a file of the training run {run}"
+
+
+def run_holding(path: Path) -> Path | None:
+    """The training run directory whose own files (`RUN_FILES`, `RUN_DIRS`) hold `path` (a
+    checkpoint, its metrics), or None."""
+    for directory in (*path.parents, *path.absolute().parents):  # as given first: named as the user named it
         if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists() \
-                and path.relative_to(directory).parts[0] in (*RUN_FILES, *RUN_DIRS):
-            return f"a file of the training run {directory}"
+                and path.absolute().relative_to(directory.absolute()).parts[0] in (*RUN_FILES, *RUN_DIRS):
+            return directory
     return None
 
 

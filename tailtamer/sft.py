@@ -142,13 +142,23 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
                               pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
     model, opt = _fresh_model(cfg, model_cfg)
     total, start, loss_ema = cfg.steps + cfg.habit_steps, 0, None
-    if partial is not None and partial.exists():
+    if partial is not None and (partial.exists() or partial.is_symlink()):
         try:
-            start, loss_ema = _load_partial(partial, cfg, model, opt)
-            log(f"going on from step {start} of {total}, saved in {partial}")
-        except Exception as e:  # any damage: start over (the file is replaced at the next stop)
-            log(f"{partial}: cannot go on from it ({type(e).__name__}: {e}); training the base model from the start")
-            model, opt = _fresh_model(cfg, model_cfg)
+            state = torch.load(partial, weights_only=True)
+        except Exception as e:
+            state = e
+        if not isinstance(state, dict) or "key" not in state:  # not one this wrote: the user's, kept as it is
+            log(f"{partial}: not a saved state of the base model's training, left as it is; a stop now saves nothing")
+            partial = None
+        elif state["key"] != cfg.key():
+            log(f"{partial}: saved by a training of another sft config; training from the start (a stop replaces it)")
+        else:
+            try:
+                start, loss_ema = _load_partial(state, model, opt)
+                log(f"going on from step {start} of {total}, saved in {partial}")
+            except Exception as e:  # damaged: start over (a stop replaces it)
+                log(f"{partial}: cannot go on from it ({type(e).__name__}: {e}); training from the start")
+                model, opt = _fresh_model(cfg, model_cfg)
     t0, rng = time.perf_counter(), random.Random(cfg.seed)
     worked = length_bucketed_batches(tok, cfg, rng)
     habit = length_bucketed_batches(tok, cfg, rng, direct_prob=cfg.direct_answer_prob)
@@ -173,13 +183,15 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
                 saved = "" if partial is None else _save_partial(partial, cfg, model, opt, step + 1, loss_ema)
                 raise Interrupted(f"stopped by {stop.reason} after step {step + 1} of {total} of the base model's "
                                   f"training{saved}", stop.reason)
-    model.eval()
-    out_dir = Path(out_dir)
-    save_model(model, out_dir)
-    tok.save(out_dir)
-    info = {"config": asdict(cfg), "final_loss": loss_ema, "seconds": time.perf_counter() - t0,
-            "parameters": model_cfg.num_parameters()}
-    atomic_write_json(out_dir / "sft.json", info)
+        model.eval()  # the last step done: a stop now waits for the model's files, which are the rest
+        out_dir = Path(out_dir)
+        save_model(model, out_dir)
+        tok.save(out_dir)
+        info = {"config": asdict(cfg), "final_loss": loss_ema, "seconds": time.perf_counter() - t0,
+                "parameters": model_cfg.num_parameters()}
+        atomic_write_json(out_dir / "sft.json", info)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
     return info
 
 
@@ -205,12 +217,9 @@ def _fresh_model(cfg: SFTConfig, model_cfg):
     return model, opt
 
 
-def _load_partial(path: Path, cfg: SFTConfig, model, opt) -> tuple[int, float]:
+def _load_partial(state: dict, model, opt) -> tuple[int, float]:
     """(steps done, loss average) of the state `_save_partial` wrote, loaded into `model` and
-    `opt`; raises when it cannot be read or is of another config."""
-    state = torch.load(path, weights_only=True)
-    if not isinstance(state, dict) or state.get("key") != cfg.key():
-        raise ValueError("of another sft config" if isinstance(state, dict) else "not a training state")
+    `opt`; raises when it is damaged."""
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
@@ -250,5 +259,4 @@ def ensure_base_model(cfg: SFTConfig = SFTConfig(), log: Callable[[str], None] =
     log(f"training the base model into {target} (cached for later runs)")
     partial = partial_path(target)
     write_dir(target, lambda tmp: train_sft(cfg, tmp, log, partial), existing="keep")  # another may finish first
-    partial.unlink(missing_ok=True)
     return target

@@ -15,6 +15,8 @@ from typing import Callable
 from tailtamer.errors import TailtamerError
 
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+# What a StopRequest says when it first hears a stop (a benchmark waits for it in a run's log)
+STOPPING = "stopping after this step, with a checkpoint"
 
 
 class Interrupted(TailtamerError):
@@ -91,7 +93,7 @@ class StopRequest:
         self.requested, self.reason = True, SIGNAL_NAMES[signum]
         if self.log is not None:
             again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-            self.log(f"{self.reason}: stopping after this step, with a checkpoint{again}")
+            self.log(f"{self.reason}: {STOPPING}{again}")
 
     def __exit__(self, *exc) -> None:
         for sig, previous in self._previous.items():

@@ -471,16 +471,15 @@ def test_sigterm_stops_a_command_as_ctrl_c_does(tmp_path):
     """SIGTERM (a scheduler's stop) ended `sft` where it stood: no message, and an empty --out
     and a hidden half-written sibling left behind. It now stops after the step, as a Ctrl-C
     does, and saves its state beside --out for the same command to go on from."""
+    import os
     import signal
-    import time
 
     out = tmp_path / "models" / "m"
     proc = subprocess.Popen([sys.executable, "-m", "tailtamer", "sft", "--preset", "tiny", "--steps", "100000",
-                             "--out", str(out)], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(2)  # into the training
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    while not proc.stdout.readline().startswith("sft step"):  # into the training (it prints its first step)
+        assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, err

@@ -2,6 +2,7 @@
 step, an ordinary run never waits, and a failing arm stops the others with its error."""
 
 import json
+import re
 import threading
 import time
 
@@ -105,12 +106,48 @@ def test_a_ctrl_c_to_bench_train_stops_its_arms_as_they_stop_themselves(toy, tmp
 
     ctrl_c_once_running.sent = False
     monkeypatch.setattr(bench_train.time, "sleep", ctrl_c_once_running)
-    with pytest.raises(Interrupted, match=rf"^stopped by Ctrl-C: bench train's runs in {tmp_path} end where they "
-                                          rf"were \(the next bench train replaces them\); no report$"):
+    with pytest.raises(Interrupted, match=rf"^stopped by Ctrl-C: bench train's runs in {re.escape(str(tmp_path))} end "
+                                          rf"where they were \(the next bench train replaces them\); no report$"):
         run_paced(jobs, logs, timeout_s=300)
     for log in logs.values():
         text = log.read_text()
         assert text.strip().splitlines()[-1].startswith("stopped") and "leaked semaphore" not in text, text
+
+
+ARM_IN_A_LONG_CALL = """
+import torch
+from tailtamer.stopping import StopRequest
+
+a = torch.randn(2000, 2000, dtype=torch.float64)
+print("ready", flush=True)
+try:
+    with StopRequest(log=lambda line: print(line, flush=True)) as stop:
+        while True:  # never between steps: only a stop at once ends it
+            torch.mm(a, a)
+except KeyboardInterrupt:
+    print("unwound", flush=True)
+"""
+
+
+def test_an_arm_in_a_long_torch_call_gets_both_ctrl_cs(tmp_path, monkeypatch):
+    """Two SIGINTs sent 0.2 s apart to an arm inside one long torch call reached its handler as
+    one (a stop after the step, where a stop at once was meant): the arm was killed when the
+    grace ran out. The second is now sent once the arm has said it heard the first."""
+    import subprocess
+    import sys
+
+    import tailtamer.bench_train as bench_train
+
+    monkeypatch.setattr(bench_train, "STOP_GRACE_S", 20.0)
+    log = tmp_path / "arm.log"
+    with open(log, "w") as out:
+        arm = subprocess.Popen([sys.executable, "-c", ARM_IN_A_LONG_CALL], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "ready" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside a call
+    bench_train._stop({"arm": arm}, {"arm": log})
+    assert arm.returncode == 0 and log.read_text().strip().splitlines()[-1] == "unwound", log.read_text()
 
 
 def test_median_interval_brackets_the_median_and_narrows_with_more_values():

@@ -137,15 +137,33 @@ def test_a_stopped_base_model_training_goes_on_where_it_was(tmp_path, monkeypatc
     assert load_file(resumed / "model.safetensors").keys() == straight.keys()
     assert all(torch.equal(load_file(resumed / "model.safetensors")[k], v) for k, v in straight.items())
     assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == [resumed.name]  # the state is gone
-    # a damaged state: said, and training starts over, to the same weights
-    monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path / "damaged"))
-    (tmp_path / "damaged").mkdir()
-    partial = sft.partial_path(tmp_path / "damaged" / resumed.name)
-    partial.write_bytes(b"not a state")
+    # a file that is no state of this (a user's) is said, read only, and kept; training starts over
+    monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path / "users"))
+    (tmp_path / "users").mkdir()
+    partial = sft.partial_path(tmp_path / "users" / resumed.name)
+    partial.write_bytes(b"the user's own file")
     logs = []
     again = ensure_base_model(cfg, log=logs.append)
-    assert any(line.startswith(f"{partial}: cannot go on from it (") for line in logs), logs
+    assert f"{partial}: not a saved state of the base model's training, left as it is; a stop now saves nothing" in logs
     assert all(torch.equal(load_file(again / "model.safetensors")[k], v) for k, v in straight.items())
+    assert partial.read_bytes() == b"the user's own file"
+    # a state of another config is said, and replaced by this run's (gone when it finishes)
+    other, theirs = SFTConfig(steps=5, batch_size=4, warmup=1, habit_steps=3, seed=1), tmp_path / "theirs.pt"
+    monkeypatch.setattr(sft, "lr_at", ctrl_c_in_step(2))
+    with pytest.raises(Interrupted):
+        train_sft(other, tmp_path / "other", log=lambda _: None, partial=theirs)
+    monkeypatch.setattr(sft, "lr_at", lr_at)
+    logs = []
+    train_sft(cfg, tmp_path / "mine", log=logs.append, partial=theirs)
+    assert f"{theirs}: saved by a training of another sft config; training from the start (a stop replaces it)" in logs
+    assert all(torch.equal(load_file(tmp_path / "mine" / "model.safetensors")[k], v) for k, v in straight.items())
+    assert not theirs.exists()
+    # a state of this config that does not load: said, training starts over
+    torch.save({"key": cfg.key(), "step": 3, "loss_ema": 1.0, "model": {}}, theirs)
+    logs = []
+    train_sft(cfg, tmp_path / "damaged", log=logs.append, partial=theirs)
+    assert any(line.startswith(f"{theirs}: cannot go on from it (RuntimeError: ") for line in logs), logs
+    assert all(torch.equal(load_file(tmp_path / "damaged" / "model.safetensors")[k], v) for k, v in straight.items())
 
 
 @pytest.mark.parametrize("kwargs,field", [({"steps": 0}, "steps"), ({"batch_size": 0}, "batch_size"),

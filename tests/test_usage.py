@@ -20,6 +20,7 @@ def _usage_error(capsys, argv) -> str:
     (["drafter", "train", "--model", "m", "--data", "d", "--out", "o", "--bogus"], "tailtamer drafter train"),
     (["train", "--seed", "3"], "tailtamer train"),
     (["--bogus", "task", "--out", "t.jsonl"], "tailtamer"),
+    (["drafter", "train", "--model", "m", "--data", "d", "--out", "o", "drafter"], "tailtamer drafter train"),
 ])
 def test_an_unknown_argument_is_named_with_its_command(capsys, argv, prog):
     """argparse reports an unknown argument from the top-level parser: `bench decode --bogus`
@@ -55,3 +56,14 @@ def test_resume_pointed_into_a_run_names_the_run(tmp_path, capsys, monkeypatch, 
     assert err.startswith(f"error: --resume runs/r/{inside}: inside the run directory runs/r, ") and \
         "give --resume runs/r" in err and len(err.splitlines()) == 1, err
     assert ("to resume from step-000004, write its name into runs/r/checkpoints/latest" in err) == pick, err
+
+
+def test_resume_of_a_directory_beside_a_config_file_is_not_a_run(tmp_path, capsys, monkeypatch):
+    """A user's own config.yaml in the working directory made any --resume inside it 'inside
+    the run directory .'."""
+    (tmp_path / "config.yaml").write_text("run: {}\n")
+    (tmp_path / "runs" / "broken").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", "runs/broken"]) == 2
+    assert capsys.readouterr().err == ("error: --resume runs/broken: not a run directory (it has no config.yaml); "
+                                       "give a run's directory, e.g. runs/default\n")

@@ -131,17 +131,18 @@ def test_what_a_killed_write_left_is_removed_by_the_next_one(tmp_path):
     live writer, of another host or of another file stays."""
     import os
     import signal
-    import socket
 
-    from tailtamer.atomic import atomic_write, write_dir
+    from tailtamer.atomic import _pid_space, atomic_write, write_dir
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     child.send_signal(signal.SIGKILL)
     child.wait()
-    host = socket.gethostname()
-    dead, live = f"{child.pid}@{host}", f"{os.getppid()}@{host}"
+    here = _pid_space()
+    dead, live = f"{child.pid}@{here}", f"{os.getppid()}@{here}"
     left = [f".model.safetensors.{dead}.abcd_123.tmp", f".step-000010.{dead}.x1y2z3w4"]
-    kept = [f".model.safetensors.{live}.abcd_123.tmp", f".model.safetensors.{child.pid}@other-host.abcd_123.tmp",
+    kept = [f".model.safetensors.{live}.abcd_123.tmp", f".model.safetensors.{child.pid}@other-host.1.abcd_123.tmp",
+            f".model.safetensors.{child.pid}@{here}7.abcd_123.tmp",  # another container's PID namespace
+            f".model.safetensors.{10 ** 12}@{here}.abcd_123.tmp",  # no PID at all: was an OverflowError
             f".model.safetensors.json.{dead}.abcd_123.tmp", ".model.safetensors.k3j2_x1a.tmp"]
     for name in left[:1] + kept:
         (tmp_path / name).write_text("partial")

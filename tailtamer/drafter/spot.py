@@ -44,6 +44,11 @@ class SpotConfig:
     unroll: int = f(2, "drafting levels trained per pair, the later ones on the drafter's own features (as the "
                        "warm-up's unroll, so online training keeps what it taught the deeper levels)")
 
+    def trains(self, eagle: bool, world: int) -> bool:
+        """Whether an EAGLE drafter (`eagle`) trains online with `world` workers: one worker has
+        no idle time to train in, unless single_worker=window gives it some."""
+        return eagle and self.train and (world > 1 or self.single_worker == "window")
+
     def __post_init__(self):
         if self.single_worker not in ("never", "window"):
             raise ConfigError(f"spot.single_worker must be never or window, got {self.single_worker!r}")

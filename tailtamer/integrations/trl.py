@@ -214,7 +214,7 @@ class TLTRollout:
                                log_file=Path(args.output_dir) / "vllm.log")
         speculator = make_speculator(self.spec, model, drafter)
         several = trainer.accelerator.num_processes > 1
-        if drafter is not None and self.spot.train and (several or self.spot.single_worker == "window"):
+        if self.spot.trains(drafter is not None, trainer.accelerator.num_processes):
             self.workers = _workers(trainer.accelerator.device) if several else Workers(device=trainer.accelerator.device)
             score = SamplingParams(temperature=args.temperature or 1.0, top_p=args.top_p)
             self.adaptive = AdaptiveDrafter(drafter, replace(self.spot, compare_frozen=False), self.workers,

@@ -145,7 +145,7 @@ def _claim(cfg, resume: Path | None):
         lock = RunDirLock(resume, created=False)
         lock.acquire()
         return cfg, lock
-    out = Path(cfg.run.out_dir).expanduser()
+    out = Path(cfg.run.out_dir)
     name = cfg.run.name
     candidates = [name] if name else [DEFAULT_NAME] + [f"{DEFAULT_NAME}-{i}" for i in range(2, 10_000)]
     for candidate in candidates:

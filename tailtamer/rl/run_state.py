@@ -121,10 +121,9 @@ def prepare(cfg: TrainConfig, log=print) -> TrainConfig:
 def unread_spot(cfg: TrainConfig) -> list[str]:
     """spot.single_worker=window where no EAGLE drafter trains online (SD off, a model-free
     drafter, or spot.train=false)."""
-    eagle = cfg.spec.mode != "off" and cfg.spec.drafter not in ("suffix", "ngram")
-    if cfg.spot.single_worker != "window" or (eagle and cfg.spot.train):
+    if cfg.spot.single_worker != "window" or cfg.spot.trains(cfg.spec.eagle, 1):
         return []
-    why = ("spot.train=false" if eagle else "spec.mode=off" if cfg.spec.mode == "off"
+    why = ("spot.train=false" if cfg.spec.eagle else "spec.mode=off" if cfg.spec.mode == "off"
            else f"spec.drafter={cfg.spec.drafter} is model-free")
     return [f"spot.single_worker=window is not read: {why}, so no EAGLE drafter trains online"]
 
@@ -228,9 +227,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
             log(f"spec.bs_threshold unset: on {device.type} with rollout.backend={cfg.rollout.backend}, SD "
                 + ("at any batch size (the bandit decides)" if threshold is None else f"at most {threshold} running"))
         adaptive = NoDrafter()
-        # With one worker and no training window there is no time to train the drafter in.
-        trains = workers.world > 1 or cfg.spot.single_worker == "window"
-        if cfg.spot.train and trains and rollout.drafter is not None:
+        if cfg.spot.trains(rollout.drafter is not None, workers.world):
             frozen = load_drafter(cfg.spec.drafter, model) if cfg.spot.compare_frozen else None
             score = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
             adaptive = AdaptiveDrafter(rollout.drafter, cfg.spot, workers, cfg.run.seed * 1009 + workers.rank,
@@ -261,7 +258,7 @@ def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_dr
     own log goes to `vllm_log` (a file and this worker's prefix for its lines); our engine's
     suffix drafts read `history`."""
     drafter = None
-    if cfg.spec.mode != "off" and cfg.spec.drafter not in ("ngram", "suffix"):
+    if cfg.spec.eagle:
         drafter = load_drafter(resumed_drafter or cfg.spec.drafter, model)
     if cfg.rollout.backend == "vllm":
         from tailtamer.rollout.vllm_backend import VLLMBackend, bias_free
@@ -282,4 +279,4 @@ def make_backend(cfg: TrainConfig, model, tokenizer, model_dir: Path, resumed_dr
 
 
 def run_dir_of(cfg: TrainConfig, resume: Path | None) -> Path:
-    return resume or Path(cfg.run.out_dir).expanduser() / (cfg.run.name or DEFAULT_NAME)
+    return resume or Path(cfg.run.out_dir) / (cfg.run.name or DEFAULT_NAME)

@@ -525,9 +525,8 @@ def _run_steps(s: RunState, cfg: TrainConfig, resume: Path | None, changes: dict
                     log(f"no summary or plots written in {s.run_dir} ({type(e).__name__}: {e})")
     if not w.is_main:
         return None
-    # nothing is left to resume: say what is complete
     with writing("summary.json and the plots", s.run_dir, f"; the run finished: its checkpoint of step "
-                 f"{s.saved_step} and metrics.jsonl are complete"):
+                 f"{s.saved_step} and metrics.jsonl are complete"):  # nothing is left to resume
         return _summarize(s, w.world, time.perf_counter() - t0, finished=True)
 
 

@@ -130,6 +130,11 @@ class SpecConfig:
         return DEFAULT_SUFFIX_STRATEGIES if self.drafter == "suffix" else DEFAULT_MAB_STRATEGIES
 
     @property
+    def eagle(self) -> bool:
+        """Whether an EAGLE drafter (a directory, not a model-free drafter) drafts."""
+        return self.mode != "off" and self.drafter not in (None, "ngram", "suffix")
+
+    @property
     def one_strategy(self) -> bool:
         """Whether one strategy drafts every SD step (mode on, or the fixed tuner): spec.strategy
         is what runs, not spec.strategies."""
