@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from tailtamer.errors import WriteError
+from tailtamer.errors import TailtamerError, WriteError
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -51,7 +51,7 @@ def _disk_error(e: BaseException, directory: Path, partial: Path | None = None) 
     per-file size limit, EFBIG, stops only the file at it) and a write of PROBE_BYTES into the
     same directory say whether the disk takes any more. None: `e` is an OSError already, or not
     about the disk."""
-    if isinstance(e, OSError) or not isinstance(e, Exception):
+    if isinstance(e, (OSError, TailtamerError)) or not isinstance(e, Exception):  # ours say what they are
         return None
     found = re.search(r"\(os error (\d+)\)", str(e))
     if found:

@@ -66,10 +66,7 @@ def nonempty(text: str) -> str:
 
 def seed(text: str) -> int:
     """argparse type: a seed PyTorch accepts."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
+    value = int(text) if re.fullmatch(r"[0-9]+", text) else -1  # int() takes '1_000', ' 5', other scripts' digits
     if not 0 <= value < 2 ** 63:
         raise argparse.ArgumentTypeError(f"{text!r}: give an integer from 0 to 2**63-1")
     return value
@@ -221,7 +218,7 @@ def cmd_generate(args) -> None:
 def cmd_drafter_train(args) -> None:
     from dataclasses import replace
 
-    from tailtamer.atomic import atomic_write_json, write_dir
+    from tailtamer.atomic import atomic_write_json, write_dir, writing
     from tailtamer.drafter.train import DrafterTrainConfig, check_unroll, encode_texts, read_texts, train_drafter
     from tailtamer.model.drafter import load_drafter, save_drafter
     from tailtamer.model.io import load_pretrained
@@ -260,32 +257,36 @@ def cmd_drafter_train(args) -> None:
         save_drafter(drafter, tmp)
         atomic_write_json(tmp / "train.json", info)
 
-    write_dir(Path(args.out), write)
+    with writing("the drafter", args.out):
+        write_dir(Path(args.out), write)
     print(f"wrote the drafter to {args.out} (top-1 agreement with the target {info['final']['top1']:.1%})")
 
 
 def cmd_sft(args) -> None:
     from dataclasses import replace
 
-    from tailtamer.atomic import write_dir
-    from tailtamer.sft import SFTConfig, ensure_base_model, partial_path, train_sft
+    from tailtamer.sft import SFTConfig, ensure_base_model, write_base_model
+
+    from tailtamer.model.config import PRESETS
 
     given = {"steps": args.steps, "habit_steps": args.habit_steps, "seed": args.seed, "preset": args.preset}
     if args.steps is not None:
         at_least_one(args.steps, "--steps")
+    if args.habit_steps is not None and args.habit_steps < 0:
+        raise TailtamerError(f"--habit-steps must be >= 0, got {args.habit_steps}")
+    if args.preset is not None and args.preset not in PRESETS:
+        raise TailtamerError(f"--preset {args.preset}: unknown; choose one of {', '.join(sorted(PRESETS))}")
     cfg = replace(SFTConfig(), **{k: v for k, v in given.items() if v is not None})
     if args.out:
         fresh_output_dir(args.out, "--out")
-        info = {}
-        partial = partial_path(args.out)  # where a Ctrl-C saves, and the same command goes on
-        write_dir(Path(args.out), lambda tmp: info.update(train_sft(cfg, tmp, partial=partial)))
+        info = write_base_model(cfg, Path(args.out))
         print(f"wrote the base model to {args.out} (final loss {info['final_loss']:.4f})")
     else:
         print(ensure_base_model(cfg))
 
 
 def cmd_init_model(args) -> None:
-    from tailtamer.atomic import write_dir
+    from tailtamer.atomic import write_dir, writing
     from tailtamer.model.config import preset_config
     from tailtamer.model.io import init_model, save_model
     from tailtamer.model.tokenizer import char_tokenizer, load_tokenizer
@@ -303,7 +304,8 @@ def cmd_init_model(args) -> None:
         save_model(model, tmp)
         tokenizer.save(tmp)
 
-    write_dir(Path(args.out), write)  # an interrupt leaves no half-written model to trip on
+    with writing("the model", args.out):  # an interrupt leaves no half-written model to trip on
+        write_dir(Path(args.out), write)
     print(f"wrote a random {args.preset} {arch} ({cfg.num_parameters() / 1e6:.2f}M parameters) to {args.out}")
 
 
@@ -377,6 +379,9 @@ def cmd_bench(args) -> None:
     if args.what == "profile" and args.model and steps_given:
         raise TailtamerError("--steps: bench profile --model times decode steps only (the RL steps are the built-in "
                              "job's); leave out --steps or --model")
+    if args.drafter and not Path(args.drafter).is_dir():  # before the model loads, named by its flag
+        raise TailtamerError(f"--drafter {args.drafter}: " + ("a file; a drafter is a directory"
+                                                              if Path(args.drafter).exists() else "no such directory"))
     if drafts and args.model and not args.drafter:  # the built-in drafter is trained for the built-in model
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
                              f"model (tailtamer drafter train --model {args.model} --data ... --out DIR)")
@@ -430,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="tailtamer", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"tailtamer {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
     tr = sub.add_parser("train", help="GRPO-family RL; no arguments = the built-in default job")
     tr.add_argument("items", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
@@ -479,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "--backend vllm, vLLM compiles its model (vllm.compile)")
 
     dr = sub.add_parser("drafter", help="drafter tools")
-    dsub = dr.add_subparsers(dest="drafter_command", required=True, parser_class=_Parser)
+    dsub = dr.add_subparsers(dest="drafter_command", required=True, parser_class=_Parser, metavar="COMMAND")
     dt = dsub.add_parser("train", help="offline warm-up of an EAGLE drafter on the target's hidden states")
     dt.add_argument("--model", type=nonempty, required=True, help="target model directory")
     dt.add_argument("--data", type=nonempty, required=True, help="JSONL with 'text' (or 'prompt' + 'response'), or 'builtin'")
@@ -526,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="side-by-side benchmarks; prints a JSON report of ratios")
-    b.add_argument("what", choices=["decode", "sd", "rollout", "train", "profile"])
+    b.add_argument("what", choices=["decode", "sd", "rollout", "train", "profile"], metavar="BENCHMARK",
+                   help="decode, sd, rollout, train or profile")
     b.add_argument("--model", type=nonempty, help="model directory (default: the built-in base model)")
     b.add_argument("--drafter", type=nonempty, help="sd, rollout, profile: the EAGLE drafter of --model (needed with it)")
     b.add_argument("--preset", type=nonempty, help="benchmark a random model of this preset size instead")

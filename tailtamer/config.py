@@ -101,6 +101,8 @@ class RunConfig:
     def __post_init__(self):
         if isinstance(self.out_dir, str):  # as the shell would: `run.out_dir=~/runs` (after `=`) or in YAML
             object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir))
+            if self.out_dir.startswith("~"):
+                raise ConfigError(f"run.out_dir {self.out_dir}: no such user's home directory")
         at_least(self, "run", 1, "steps", "keep_checkpoints")
         at_least(self, "run", 0, "eval_every", "save_every", "max_bad_steps", "workers", "log_samples_every", "seed")
         at_most(self, "run", 2 ** 32 - 1, "seed")  # what every library it seeds takes (NumPy's legacy seed: 32 bits)
@@ -323,7 +325,16 @@ def _coerce(value: Any, kind, where: str):
         return float(value)
     if kind in (int, str) and isinstance(value, kind) and not isinstance(value, bool):
         return value
-    raise ConfigError(f"{where}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    raise ConfigError(f"{where}: expected {getattr(kind, '__name__', kind)}, got {value!r}{_yaml_reading(value)}")
+
+
+def _yaml_reading(value) -> str:
+    """Why YAML gave `value` where the user typed a string: what to write instead."""
+    if value is None:
+        return " (YAML reads ~ and an empty value as null: quote a value, e.g. '~/runs')"
+    if isinstance(value, dict) and len(value) == 1 and None in value.values():
+        return f" (YAML reads '{next(iter(value))}:' as a mapping: quote the value)"
+    return ""
 
 
 # Old name -> new name, so a config written for an older tailtamer gets a hint, not a guess.

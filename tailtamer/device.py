@@ -21,7 +21,7 @@ def resolve_device(name: str | None, field: str = "--device") -> torch.device:
     if device.type not in SUPPORTED:
         raise ConfigError(f"{field}: device type {device.type!r} is not supported; use one of {', '.join(SUPPORTED)}")
     if device.type == "cpu" and device.index not in (None, 0):  # PyTorch takes any index and runs on the one CPU
-        raise ConfigError(f"{field}: {name!r}: the CPU has no index; use cpu")
+        raise ConfigError(f"{field}: {name!r}: the CPU is one device, cpu (or cpu:0); use cpu")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"{field}: {name} was asked for, but this PyTorch build sees no CUDA GPU "

@@ -24,6 +24,10 @@ def _writable_dir(directory: Path, flag: str, path: str) -> None:
         raise TailtamerError(f"{flag} {path}: a parent of it is a file")
     try:
         CREATED.extend(make_dirs(directory))
+    except OSError as e:  # named by the directory that refused it, an existing parent
+        refused = next((d for d in directory.parents if d.exists()), directory)
+        raise TailtamerError(f"{flag} {path}: cannot create a directory in {refused} ({e.strerror or e})") from None
+    try:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
@@ -69,12 +73,16 @@ def owned_by(path: Path) -> str | None:
 
 
 def run_holding(path: Path) -> Path | None:
-    """The training run directory whose own files (`RUN_FILES`, `RUN_DIRS`) hold `path` (a
-    checkpoint, its metrics), or None."""
-    for directory in (*path.parents, *path.absolute().parents):  # as given first: named as the user named it
+    """The training run directory whose own files (`RUN_FILES`, `RUN_DIRS`) hold the existing
+    `path` (a checkpoint, its metrics), or None; relative to the working directory when `path`
+    is given so."""
+    if not path.exists():
+        return None
+    real = Path(os.path.realpath(path))  # `..` and links resolved, as the file system reads them
+    for directory in real.parents:
         if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists() \
-                and path.absolute().relative_to(directory.absolute()).parts[0] in (*RUN_FILES, *RUN_DIRS):
-            return directory
+                and real.relative_to(directory).parts[0] in (*RUN_FILES, *RUN_DIRS):
+            return directory if path.is_absolute() else Path(os.path.relpath(directory))
     return None
 
 

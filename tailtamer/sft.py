@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from tailtamer.atomic import atomic_write, atomic_write_json, write_dir
 from tailtamer.config_fields import f
-from tailtamer.errors import ConfigError
+from tailtamer.errors import ConfigError, WriteError
 from tailtamer.model.config import preset_config
 from tailtamer.model.io import init_model, save_model
 from tailtamer.model.tokenizer import Tokenizer, char_tokenizer
@@ -125,41 +125,34 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def partial_path(out_dir: str | Path) -> Path:
-    """Where an interrupted `train_sft` into `out_dir` keeps its state: a sibling file."""
+def partial_path(out_dir: str | Path, cfg: SFTConfig) -> Path:
+    """Where a stopped `train_sft` of `cfg` into `out_dir` keeps its state: a sibling file named
+    by the config, so that another config's state is never read, nor replaced."""
     out_dir = Path(os.path.abspath(out_dir))
-    return out_dir.with_name(out_dir.name + ".partial.pt")
+    return out_dir.with_name(f"{out_dir.name}.partial-{cfg.key()}.pt")
 
 
 def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = print,
               partial: Path | None = None) -> dict:
     """Train the base model into `out_dir`. A Ctrl-C or SIGTERM stops after the step and saves
-    the state into `partial` (a file), from which the next call with the same config goes on:
-    the model, AdamW's state and the data stream where they were, so the result is the same as
-    an uninterrupted run's (a second Ctrl-C stops at once, saving nothing)."""
+    the state into `partial` (a file, `partial_path`), from which the next call goes on: the
+    model, AdamW's state and the data stream where they were, so the result is the same as an
+    uninterrupted run's (a second Ctrl-C stops at once, saving nothing). The finished state is
+    saved there too, for the caller to remove once the model is in place: a model that cannot
+    be moved there is not lost."""
     tok = char_tokenizer()
     model_cfg = preset_config(cfg.preset, tok.vocab_size, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
     model, opt = _fresh_model(cfg, model_cfg)
-    total, start, loss_ema = cfg.steps + cfg.habit_steps, 0, None
+    total, start, loss_ema, before_s = cfg.steps + cfg.habit_steps, 0, None, 0.0
     if partial is not None and (partial.exists() or partial.is_symlink()):
         try:
-            state = torch.load(partial, weights_only=True)
-        except Exception as e:
-            state = e
-        if not isinstance(state, dict) or "key" not in state:  # not one this wrote: the user's, kept as it is
-            log(f"{partial}: not a saved state of the base model's training, left as it is; a stop now saves nothing")
-            partial = None
-        elif state["key"] != cfg.key():
-            log(f"{partial}: saved by a training of another sft config; training from the start (a stop replaces it)")
-        else:
-            try:
-                start, loss_ema = _load_partial(state, model, opt)
-                log(f"going on from step {start} of {total}, saved in {partial}")
-            except Exception as e:  # damaged: start over (a stop replaces it)
-                log(f"{partial}: cannot go on from it ({type(e).__name__}: {e}); training from the start")
-                model, opt = _fresh_model(cfg, model_cfg)
-    t0, rng = time.perf_counter(), random.Random(cfg.seed)
+            start, loss_ema, before_s = _load_partial(partial, cfg, model, opt)
+            log(f"going on from step {start} of {total}, saved in {partial}")
+        except Exception as e:  # damaged: start over (a stop replaces it)
+            log(f"{partial}: cannot go on from it ({type(e).__name__}: {e}); training from the start")
+            model, opt = _fresh_model(cfg, model_cfg)
+    t0, rng = time.perf_counter() - before_s, random.Random(cfg.seed)
     worked = length_bucketed_batches(tok, cfg, rng)
     habit = length_bucketed_batches(tok, cfg, rng, direct_prob=cfg.direct_answer_prob)
     for step in range(start):  # the data stream where it was: both streams draw from one rng
@@ -180,9 +173,12 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
             if step % 50 == 0 or step == total - 1:
                 log(f"sft step {step + 1:4d}/{total}  loss {loss_ema:.4f}  {time.perf_counter() - t0:6.1f}s")
             if stop.requested and step + 1 < total:
-                saved = "" if partial is None else _save_partial(partial, cfg, model, opt, step + 1, loss_ema)
+                saved = "" if partial is None else _save_partial(partial, cfg, model, opt, step + 1, loss_ema,
+                                                                 time.perf_counter() - t0)
                 raise Interrupted(f"stopped by {stop.reason} after step {step + 1} of {total} of the base model's "
                                   f"training{saved}", stop.reason)
+        if partial is not None and start < total:
+            _save_partial(partial, cfg, model, opt, total, loss_ema, time.perf_counter() - t0)
         model.eval()  # the last step done: a stop now waits for the model's files, which are the rest
         out_dir = Path(out_dir)
         save_model(model, out_dir)
@@ -190,14 +186,12 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
         info = {"config": asdict(cfg), "final_loss": loss_ema, "seconds": time.perf_counter() - t0,
                 "parameters": model_cfg.num_parameters()}
         atomic_write_json(out_dir / "sft.json", info)
-        if partial is not None:
-            partial.unlink(missing_ok=True)
     return info
 
 
-def _save_partial(path: Path, cfg: SFTConfig, model, opt, step: int, loss_ema: float) -> str:
+def _save_partial(path: Path, cfg: SFTConfig, model, opt, step: int, loss_ema: float, seconds: float) -> str:
     """Save the training state after `step` steps; what to tell the user."""
-    state = {"key": cfg.key(), "step": step, "loss_ema": loss_ema, "model": model.state_dict(),
+    state = {"key": cfg.key(), "step": step, "loss_ema": loss_ema, "seconds": seconds, "model": model.state_dict(),
              "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}
     try:
         atomic_write(path, lambda tmp: torch.save(state, tmp))
@@ -217,13 +211,16 @@ def _fresh_model(cfg: SFTConfig, model_cfg):
     return model, opt
 
 
-def _load_partial(state: dict, model, opt) -> tuple[int, float]:
-    """(steps done, loss average) of the state `_save_partial` wrote, loaded into `model` and
-    `opt`; raises when it is damaged."""
+def _load_partial(path: Path, cfg: SFTConfig, model, opt) -> tuple[int, float, float]:
+    """(steps done, loss average, seconds) of the state `_save_partial` wrote, loaded into
+    `model` and `opt`; raises when it is damaged."""
+    state = torch.load(path, weights_only=True)
+    if state["key"] != cfg.key():
+        raise ValueError("saved by another sft config")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
-    return int(state["step"]), float(state["loss_ema"])
+    return int(state["step"]), float(state["loss_ema"]), float(state["seconds"])
 
 
 def _byte_level_tokenizer(model_dir: Path) -> None:
@@ -254,9 +251,24 @@ def ensure_base_model(cfg: SFTConfig = SFTConfig(), log: Callable[[str], None] =
         if not os.access(target.parent, os.W_OK | os.X_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as e:
-        raise ConfigError(f"cannot write the base model into {target.parent} ({e.strerror or e}); set {CACHE_ENV} "
+        why = "it is a file" if target.parent.is_file() else e.strerror or e  # mkdir says "File exists"
+        raise ConfigError(f"cannot write the base model into {target.parent} ({why}); set {CACHE_ENV} "
                           f"to a writable directory") from None
     log(f"training the base model into {target} (cached for later runs)")
-    partial = partial_path(target)
-    write_dir(target, lambda tmp: train_sft(cfg, tmp, log, partial), existing="keep")  # another may finish first
+    write_base_model(cfg, target, log, existing="keep")  # another process may finish first
     return target
+
+
+def write_base_model(cfg: SFTConfig, out_dir: Path, log: Callable[[str], None] = print,
+                     existing: str = "empty") -> dict:
+    """`train_sft` into `out_dir` through a hidden sibling (`write_dir`, `existing` as there),
+    then the training's saved state removed; a write that fails is one line, which says where
+    the state is kept when it is (the same call then writes the model from it)."""
+    partial, info = partial_path(out_dir, cfg), {}
+    try:
+        write_dir(out_dir, lambda tmp: info.update(train_sft(cfg, tmp, log, partial)), existing=existing)
+    except OSError as e:
+        kept = f"; the training's state is kept in {partial}: the same command writes it" if partial.exists() else ""
+        raise WriteError(f"cannot write the base model into {out_dir} ({e.strerror or e}){kept}") from None
+    partial.unlink(missing_ok=True)
+    return info

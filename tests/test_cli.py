@@ -365,6 +365,10 @@ def test_bad_generate_arguments_are_one_line_errors(model_dir, tmp_path, capsys,
     (["bench", "sd", "--new-tokens", "8"], "--new-tokens is for bench decode, not bench sd"),
     (["bench", "sd", "--group", "0"], "--group must be >= 1, got 0"),
     (["bench", "sd", "--group", "65"], "--group 65: at most 64, bench sd's largest batch"),
+    (["bench", "sd", "--model", "{tmp}/full", "--drafter", "{tmp}/nope"], "--drafter {tmp}/nope: no such directory"),
+    (["sft", "--habit-steps", "-1"], "--habit-steps must be >= 0, got -1"),
+    (["sft", "--preset", "bogus"], "--preset bogus: unknown; choose one of "),
+    (["init-model", "--preset", "tiny", "--out", "{tmp}/file/m"], "--out {tmp}/file/m: a parent of it is a file"),
     (["bench", "train", "--group", "8"], "--group is for bench sd, not bench train"),
     (["bench", "rollout", "--arms", "adaptive", "fast"],
      "--arms fast: bench rollout's arms are plain, sd_fixed_4_2_8, "),
@@ -385,7 +389,7 @@ def test_bad_generate_arguments_are_one_line_errors(model_dir, tmp_path, capsys,
      "--init {tmp}/nope: drafter directory not found"),
     (["drafter", "train", "--model", "{tmp}/full", "--data", "builtin", "--out", "{tmp}/d", "--init", "{tmp}/file"],
      "--init {tmp}/file: a file; a drafter is a directory"),
-    (["train", "--set", "run.device=cpu:1"], "run.device: 'cpu:1': the CPU has no index; use cpu"),
+    (["train", "--set", "run.device=cpu:1"], "run.device: 'cpu:1': the CPU is one device, cpu (or cpu:0); use cpu"),
 ])
 def test_bad_arguments_of_other_commands(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("precious")
@@ -484,9 +488,10 @@ def test_sigterm_stops_a_command_as_ctrl_c_does(tmp_path):
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, err
     last = err.strip().splitlines()[-1]
+    saved = [p.name for p in (tmp_path / "models").iterdir()]
+    assert len(saved) == 1 and saved[0].startswith("m.partial-"), saved  # no empty --out, no hidden sibling
     assert last.startswith("stopped by SIGTERM after step ") and "of the base model's training; saved in " \
-        f"{out}.partial.pt: the same command goes on from there" in last, err
-    assert [p.name for p in (tmp_path / "models").iterdir()] == ["m.partial.pt"]  # no empty --out, no hidden sibling
+        f"{tmp_path / 'models' / saved[0]}: the same command goes on from there" in last, err
 
 
 @pytest.mark.parametrize("args", [["generate", "--model=", "--prompts", "p", "--out", "o"],

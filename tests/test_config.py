@@ -232,3 +232,16 @@ def test_one_bucket_threshold_is_one_entry():
         validate_buckets(group_by_verify(arms), [1])
     with pytest.raises(ConfigError, match=r"has 1 entry but the default arms form"):
         SpecConfig(mode="adaptive", drafter="x", bucket_thresholds=(1,)).make_tuner()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("run.out_dir=~nosuchuser-x/runs", "run.out_dir ~nosuchuser-x/runs: no such user's home directory"),
+    ("run.out_dir=~", "run.out_dir: expected str, got None (YAML reads ~ and an empty value as null: quote a value"),
+    ("run.device=cpu:", "run.device: expected str, got {'cpu': None} (YAML reads 'cpu:' as a mapping: quote"),
+])
+def test_what_yaml_or_the_home_directory_made_of_a_value_is_said(override, message):
+    """`~nosuchuser/runs` became a literal directory; `~` and `cpu:` were reported as YAML's
+    null and mapping without saying why."""
+    with pytest.raises(ConfigError) as e:
+        load_train_config(None, [override])
+    assert str(e.value).startswith(message), e.value

@@ -98,8 +98,8 @@ def test_base_model_is_cached_by_config(tmp_path, monkeypatch):
 
 def test_a_stopped_base_model_training_goes_on_where_it_was(tmp_path, monkeypatch):
     """A Ctrl-C in the base model's training (8 minutes on 2 cores) lost all of it. Now it stops
-    after the step with its state saved beside the cache entry, and the same call goes on from
-    there to the very weights of an uninterrupted run; a damaged state is said and replaced."""
+    after the step with its state saved beside the model's directory, named by the config, and
+    the same call goes on from there to the very weights of an uninterrupted run."""
     import os
     import signal
 
@@ -111,6 +111,11 @@ def test_a_stopped_base_model_training_goes_on_where_it_was(tmp_path, monkeypatc
     cfg = SFTConfig(steps=5, batch_size=4, warmup=1, habit_steps=3)
     monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path / "straight"))
     straight = load_file(ensure_base_model(cfg, log=lambda _: None) / "model.safetensors")
+
+    def same(model_dir):
+        weights = load_file(model_dir / "model.safetensors")
+        return weights.keys() == straight.keys() and all(torch.equal(weights[k], v) for k, v in straight.items())
+
     monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path / "stopped"))
     lr_at = sft.lr_at
 
@@ -127,43 +132,61 @@ def test_a_stopped_base_model_training_goes_on_where_it_was(tmp_path, monkeypatc
         monkeypatch.setattr(sft, "lr_at", ctrl_c_in_step(at))
         logs = []
         with pytest.raises(Interrupted, match=rf"^stopped by Ctrl-C {message} of the base model's training; saved "
-                                              rf"in .*\.partial\.pt: the same command goes on from there$"):
+                                              rf"in .*\.partial-{cfg.key()}\.pt: the same command goes on from there$"):
             ensure_base_model(cfg, log=logs.append)
         assert "Ctrl-C: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)" in logs
     monkeypatch.setattr(sft, "lr_at", lr_at)
     logs = []
     resumed = ensure_base_model(cfg, log=logs.append)
     assert any(line.startswith("going on from step 7 of 8") for line in logs), logs
-    assert load_file(resumed / "model.safetensors").keys() == straight.keys()
-    assert all(torch.equal(load_file(resumed / "model.safetensors")[k], v) for k, v in straight.items())
+    assert same(resumed)
     assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == [resumed.name]  # the state is gone
-    # a file that is no state of this (a user's) is said, read only, and kept; training starts over
-    monkeypatch.setenv("TAILTAMER_CACHE", str(tmp_path / "users"))
-    (tmp_path / "users").mkdir()
-    partial = sft.partial_path(tmp_path / "users" / resumed.name)
-    partial.write_bytes(b"the user's own file")
-    logs = []
-    again = ensure_base_model(cfg, log=logs.append)
-    assert f"{partial}: not a saved state of the base model's training, left as it is; a stop now saves nothing" in logs
-    assert all(torch.equal(load_file(again / "model.safetensors")[k], v) for k, v in straight.items())
-    assert partial.read_bytes() == b"the user's own file"
-    # a state of another config is said, and replaced by this run's (gone when it finishes)
-    other, theirs = SFTConfig(steps=5, batch_size=4, warmup=1, habit_steps=3, seed=1), tmp_path / "theirs.pt"
+    # another config's state beside the same output is neither read nor replaced
+    other = SFTConfig(steps=5, batch_size=4, warmup=1, habit_steps=3, seed=1)
     monkeypatch.setattr(sft, "lr_at", ctrl_c_in_step(2))
     with pytest.raises(Interrupted):
-        train_sft(other, tmp_path / "other", log=lambda _: None, partial=theirs)
+        sft.write_base_model(other, tmp_path / "m", log=lambda _: None)
     monkeypatch.setattr(sft, "lr_at", lr_at)
+    theirs = sft.partial_path(tmp_path / "m", other)
+    before = theirs.read_bytes()
     logs = []
-    train_sft(cfg, tmp_path / "mine", log=logs.append, partial=theirs)
-    assert f"{theirs}: saved by a training of another sft config; training from the start (a stop replaces it)" in logs
-    assert all(torch.equal(load_file(tmp_path / "mine" / "model.safetensors")[k], v) for k, v in straight.items())
-    assert not theirs.exists()
-    # a state of this config that does not load: said, training starts over
-    torch.save({"key": cfg.key(), "step": 3, "loss_ema": 1.0, "model": {}}, theirs)
+    sft.write_base_model(cfg, tmp_path / "m", log=logs.append)
+    assert same(tmp_path / "m") and not any("going on" in line for line in logs) and theirs.read_bytes() == before
+    # a damaged state is said, and training starts over
+    mine = sft.partial_path(tmp_path / "d", cfg)
+    mine.write_bytes(b"damaged")
     logs = []
-    train_sft(cfg, tmp_path / "damaged", log=logs.append, partial=theirs)
-    assert any(line.startswith(f"{theirs}: cannot go on from it (RuntimeError: ") for line in logs), logs
-    assert all(torch.equal(load_file(tmp_path / "damaged" / "model.safetensors")[k], v) for k, v in straight.items())
+    sft.write_base_model(cfg, tmp_path / "d", log=logs.append)
+    assert any(line.startswith(f"{mine}: cannot go on from it (") for line in logs), logs
+    assert same(tmp_path / "d") and not mine.exists()
+
+
+def test_a_trained_base_model_that_cannot_be_moved_into_place_is_kept(tmp_path, monkeypatch):
+    """The last rename failing (another process filled --out meanwhile; a full disk) was a
+    traceback, and the trained model was gone. It is now one line, and the finished training's
+    state stays, from which the same call writes the model."""
+    import errno
+
+    import tailtamer.atomic as atomic
+    import tailtamer.sft as sft
+    from tailtamer.errors import WriteError
+
+    cfg = SFTConfig(steps=3, batch_size=4, warmup=1, habit_steps=1)
+    rename = atomic.os.rename
+
+    def filled(src, dst):
+        raise OSError(errno.ENOTEMPTY, "Directory not empty", dst)
+
+    monkeypatch.setattr(atomic.os, "rename", filled)
+    state = sft.partial_path(tmp_path / "m", cfg)
+    with pytest.raises(WriteError, match=rf"^cannot write the base model into {tmp_path / 'm'} \(Directory not "
+                                         rf"empty\); the training's state is kept in {state}: the same command"):
+        sft.write_base_model(cfg, tmp_path / "m", log=lambda _: None)
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    logs = []
+    sft.write_base_model(cfg, tmp_path / "m", log=logs.append)
+    assert any(line.startswith("going on from step 4 of 4") for line in logs), logs
+    assert (tmp_path / "m" / "model.safetensors").is_file() and not state.exists()
 
 
 @pytest.mark.parametrize("kwargs,field", [({"steps": 0}, "steps"), ({"batch_size": 0}, "batch_size"),

@@ -29,7 +29,7 @@ def test_an_unknown_argument_is_named_with_its_command(capsys, argv, prog):
     assert err.startswith(f"error: {prog}: unrecognized arguments: ") and f"(see {prog} --help)" in err, err
 
 
-@pytest.mark.parametrize("value", ["-5", "x", str(2 ** 63)])
+@pytest.mark.parametrize("value", ["-5", "x", str(2 ** 63), "1_000", " 5", "\u0663"])
 def test_a_bad_seed_says_what_is_accepted(capsys, value):
     err = _usage_error(capsys, ["task", "--out", "t.jsonl", "--seed", value])
     assert f"argument --seed: '{value}': give an integer from 0 to 2**63-1" in err, err

@@ -170,3 +170,24 @@ def test_a_finished_run_whose_summary_cannot_be_written_says_what_is_complete(to
                                  "metrics.jsonl are complete"), e.value
     assert "--resume" not in str(e.value)
     assert (tmp_path / "runs" / "done" / "checkpoints" / "step-000002" / "state.json").is_file()
+
+
+def test_a_stop_during_a_write_on_a_full_disk_stays_a_stop(tmp_path, monkeypatch):
+    """The disk probe that names a library's failed write ran on a stop raised inside the write
+    too; on a full disk the probe's OSError replaced the stop: a traceback, exit 1."""
+    from tailtamer import atomic
+    from tailtamer.atomic import write_dir
+    from tailtamer.stopping import Interrupted
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.tempfile, "TemporaryFile", full)  # the probe's own write
+
+    def stopped(tmp):
+        (tmp / "part").write_text("x")
+        raise Interrupted("stopped by Ctrl-C after step 3", "Ctrl-C")
+
+    with pytest.raises(Interrupted, match="stopped by Ctrl-C after step 3"):
+        write_dir(tmp_path / "m", stopped)
+    assert list(tmp_path.iterdir()) == []
