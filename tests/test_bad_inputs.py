@@ -38,7 +38,7 @@ def test_generate_never_writes_over_its_inputs(model_dir, tmp_path, capsys, case
     extra = {"stats-is-out": ["--stats", str(out)], "stats-unwritable": ["--stats", "/proc/nope/s.json"]}.get(case, [])
     code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), *extra])
     message = {"out-is-prompts": "would overwrite --prompts", "out-in-model": "would overwrite --model",
-               "stats-is-out": "would overwrite --out", "stats-unwritable": "cannot create a file in"}[case]
+               "stats-is-out": "would overwrite --out", "stats-unwritable": "cannot create a directory in /proc ("}[case]
     _one_line_error(capsys, message, code)
     assert (prompts.read_text(), (model_dir / "config.json").read_text()) == before
     assert not (tmp_path / "o.jsonl").exists()
