@@ -8,89 +8,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
+from tailtamer.arguments import at_least_one, check_responses_fit, nonempty, seed
 from tailtamer.atomic import remove_empty_dirs
-from tailtamer.errors import ConfigError, DataError, TailtamerError
+from tailtamer.errors import DataError, TailtamerError
+from tailtamer.generate import cmd_generate
 from tailtamer.outputs import CREATED, fresh_output_dir, output_file
-from tailtamer.stopping import Interrupted, Terminated, sigterm_stops_at_once
 from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig
+from tailtamer.stopping import Interrupted, Terminated, sigterm_stops_at_once
 
 # Which benchmarks each `bench` flag is for
 BENCH_FLAGS = {"--model": ("decode", "sd", "rollout", "profile"), "--preset": ("decode",),
                "--drafter": ("sd", "rollout", "profile"), "--steps": ("train", "profile"), "--new-tokens": ("decode",),
                "--set": ("train",), "--group": ("sd",), "--arms": ("rollout",)}
-# `generate`'s flags for the SpecConfig fields they set
-SPEC_FLAGS = {"mode": "--spec", "drafter": "--drafter", "strategy": "--strategy", "strategies": "--strategies",
-              "bs_threshold": "--bs-threshold", "tuner": "--tuner", "compile": "--compile"}
-# ... and the --spec modes that read each (--compile also sets vLLM's own compile, in any mode)
-SPEC_FLAG_MODES = {"--drafter": ("on", "adaptive"), "--strategy": ("on", "adaptive"), "--compile": ("on", "adaptive"),
-                   "--bs-threshold": ("adaptive",), "--tuner": ("adaptive",), "--strategies": ("adaptive",)}
-# SamplingParams' errors start with the field's name
-SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-                  "max_new_tokens": "--max-new-tokens", "n": "--n", "stop": "--stop"}
-
-
-def flagged(e: ConfigError) -> ConfigError:
-    """`generate`'s spec errors, named by the flags that set the fields there."""
-    named = re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))
-    return ConfigError(named.replace("rollout.backend", "--backend"))
-
-
-def check_spec_flags(args) -> None:
-    """A speculative-decoding flag that the chosen --spec mode (or tuner) would not read is
-    refused rather than dropped, so what runs is what was asked for."""
-    given = {"--drafter": args.drafter is not None, "--strategy": args.strategy is not None,
-             "--compile": args.compile and args.backend != "vllm", "--bs-threshold": args.bs_threshold is not None,
-             "--tuner": args.tuner is not None, "--strategies": args.strategies is not None}
-    for flag, modes in SPEC_FLAG_MODES.items():
-        if given[flag] and args.spec not in modes:
-            raise ConfigError(f"{flag} applies to --spec {' or '.join(modes)}; --spec {args.spec} does not read it")
-    fixed = args.spec == "on" or args.tuner == "fixed"
-    if args.strategy is not None and not fixed:
-        raise ConfigError("--strategy is the one arm of --spec on or --tuner fixed; --spec adaptive's bandit "
-                          "chooses among --strategies")
-    if args.strategies is not None and fixed:
-        raise ConfigError("--strategies are the bandit's arms; --tuner fixed drafts --strategy")
-
-
-def nonempty(text: str) -> str:
-    """argparse type of a path or name: `--model=` (an empty value) is refused, where it would
-    otherwise read as the current directory or be dropped for the default."""
-    if not text:
-        raise argparse.ArgumentTypeError("empty; give a value")
-    return text
-
-
-def seed(text: str) -> int:
-    """argparse type: a seed PyTorch accepts."""
-    value = int(text) if re.fullmatch(r"[0-9]+", text) else -1  # int() takes '1_000', ' 5', other scripts' digits
-    if not 0 <= value < 2 ** 63:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an integer from 0 to 2**63-1")
-    return value
-
-
-def check_responses_fit(prompts: int, n: int, max_new_tokens: int, advice: str, available: int | None = None) -> None:
-    """`generate` and `demo` keep every response until they write them: refused before they
-    start when the responses could not fit in this machine's memory (a mistyped --n would
-    otherwise grow until the machine runs out)."""
-    from tailtamer.memory import available_memory, responses_bytes, size
-
-    available = available_memory("cpu") if available is None else available
-    need = responses_bytes(prompts * n, max_new_tokens)
-    if available is not None and need > available:
-        raise TailtamerError(f"{prompts} prompt{'s' * (prompts != 1)} x {n} samples of up to {max_new_tokens} tokens "
-                             f"may need {size(need)} of memory, more than the {size(available)} available; {advice}")
-
-
-def at_least_one(value: int, flag: str) -> int:
-    if value < 1:
-        raise TailtamerError(f"{flag} must be >= 1, got {value}")
-    return value
-
-
 def cmd_train(args) -> None:
     from tailtamer.config import config_help, config_reference, load_train_config
     from tailtamer.outputs import run_holding
@@ -129,97 +61,14 @@ def cmd_train(args) -> None:
         print(json.dumps(summary, indent=2))
 
 
-def cmd_generate(args) -> None:
-    from tailtamer.atomic import atomic_write_json, atomic_write_text, writing
-    from tailtamer.device import resolve_device
-    from tailtamer.model.io import load_pretrained
-    from tailtamer.rl.data import context_cut, load_prompts
-    from tailtamer.rollout.engine import Engine, EngineConfig
-    from tailtamer.rollout.sampling import SamplingParams
-    from tailtamer.model.drafter import load_drafter
-    from tailtamer.rollout.backend import EmbeddedBackend
-    from tailtamer.rollout.speculator import check_engine_drafter, make_speculator
-    from tailtamer.rollout.vllm_backend import (VLLMBackend, VLLMConfig, bias_free, check_params, check_strategies,
-                                                require_vllm, vllm_arms)
-
-    at_least_one(args.max_batch_size, "--max-batch-size")
-    try:
-        check_spec_flags(args)
-        vllm = args.backend == "vllm"
-        unset = vllm_arms(args.drafter) if vllm else {}
-        arms = args.strategies or unset.get("strategies")
-        spec = SpecConfig(mode=args.spec, strategy=args.strategy or unset.get("strategy"), drafter=args.drafter,
-                          bs_threshold=args.bs_threshold, tuner=args.tuner or "beg",
-                          compile=args.compile and not vllm, strategies=tuple(arms) if arms else None)
-        if vllm:  # what vLLM cannot run is said before whether it is installed (as `train` does)
-            check_strategies(spec)
-            if args.dtype == "float64":
-                raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
-            require_vllm("--backend vllm")
-        else:
-            check_engine_drafter(spec)
-    except ConfigError as e:
-        raise flagged(e) from None
-    try:
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
-    except ConfigError as e:
-        raise ConfigError(re.sub(r"^\w+", lambda m: SAMPLING_FLAGS.get(m[0], m[0]), str(e))) from None
-    device = resolve_device(args.device)
-    if vllm:  # before anything loads or starts
-        check_params(params, spec.mode != "off", device.type)
-    inputs = {"--prompts": args.prompts, "--model": args.model, **({"--drafter": args.drafter}
-                                                                   if args.drafter not in (None, "ngram", "suffix") else {})}
-    output_file(args.out, "--out", inputs)
-    if args.stats:
-        output_file(args.stats, "--stats", {**inputs, "--out": args.out})
-    model, tokenizer = load_pretrained(args.model, args.dtype, device)
-    rows, prompts = load_prompts(args.prompts, tokenizer)
-    check_responses_fit(len(prompts), args.n, args.max_new_tokens, "lower --n or --max-new-tokens, or split --prompts")
-    if args.backend == "vllm":
-        drafter = load_drafter(spec.drafter, model) if spec.eagle else None
-        engine = VLLMBackend(args.model, model, tokenizer, spec, bias_free(drafter),
-                             VLLMConfig(dtype=args.dtype, compile=args.compile), args.max_batch_size,
-                             log_file=Path(args.out).with_suffix(".vllm.log"))
-    else:
-        try:
-            speculator = make_speculator(spec, model)
-        except ConfigError as e:
-            raise flagged(e) from None
-        engine = EmbeddedBackend(Engine(model, tokenizer, EngineConfig(max_batch_size=args.max_batch_size),
-                                        speculator=speculator))
-    labels = [f"{args.prompts}:{row['_row']}" for row in rows]
-    try:
-        completions, stats = engine.generate(prompts, params, labels=labels)
-    finally:
-        engine.close()
-    cut = context_cut(f"--max-new-tokens {args.max_new_tokens}", args.max_new_tokens,
-                      model.config.max_position_embeddings, max(map(len, prompts)), "with finish_reason length")
-    if cut:  # as train says it (after the run: an error stays one line)
-        print(cut, file=sys.stderr)
-    if engine.notice:
-        print(engine.notice, file=sys.stderr)
-    lines = [json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
-                         "token_ids": c.token_ids, "finish_reason": c.finish_reason}) for c in completions]
-    with writing("the completions", args.out, "; nothing was written there"):
-        atomic_write_text(args.out, "\n".join(lines) + "\n")
-    summary = stats.summary()
-    if engine.tuner is not None:
-        summary["tuner"] = engine.tuner.summary()
-    summary["backend"] = engine.name
-    if args.stats:
-        with writing("the stats", args.stats, f"; the completions are in {args.out}"):
-            atomic_write_json(args.stats, summary)
-    print(f"wrote {len(completions)} completions to {args.out}: {summary['tokens']} tokens in "
-          f"{summary['seconds']:.2f}s ({summary['tokens_per_s']:.1f} tokens/s, "
-          f"accept length {summary['accept_len_mean']:.2f})")
-
-
 def cmd_drafter_train(args) -> None:
     from dataclasses import replace
 
-    from tailtamer.atomic import atomic_write_json, write_dir, writing
-    from tailtamer.drafter.train import DrafterTrainConfig, check_unroll, encode_texts, read_texts, train_drafter
+    from tailtamer.atomic import atomic_write_json, write_dir
+    from tailtamer.drafter.train import (DrafterTrainConfig, check_unroll, encode_texts, read_texts, train_drafter,
+                                         training_state)
+    from tailtamer.errors import WriteError
+    from tailtamer.resumable import kept
     from tailtamer.model.drafter import load_drafter, save_drafter
     from tailtamer.model.io import load_pretrained
 
@@ -249,7 +98,8 @@ def cmd_drafter_train(args) -> None:
     try:
         # cut to the target's context too: positions past it have no meaning for the target
         seqs = encode_texts(tokenizer, texts, min(cfg.max_len, model.config.max_position_embeddings))
-        drafter, info = train_drafter(model, seqs, cfg, drafter=start)
+        state = training_state(args.out, model, seqs, cfg, start)  # where a stop saves, and the command goes on
+        drafter, info = train_drafter(model, seqs, cfg, drafter=start, state=state)
     except DataError as e:  # about the texts: name where they came from
         raise DataError(f"--data {args.data}: {e}") from None
 
@@ -257,8 +107,11 @@ def cmd_drafter_train(args) -> None:
         save_drafter(drafter, tmp)
         atomic_write_json(tmp / "train.json", info)
 
-    with writing("the drafter", args.out):
+    try:
         write_dir(Path(args.out), write)
+    except OSError as e:
+        raise WriteError(f"cannot write the drafter into {args.out} ({e.strerror or e}){kept(state)}") from None
+    state.remove()
     print(f"wrote the drafter to {args.out} (top-1 agreement with the target {info['final']['top1']:.1%})")
 
 

@@ -35,7 +35,8 @@ from tailtamer.errors import ConfigError, WriteError
 from tailtamer.model.config import preset_config
 from tailtamer.model.io import init_model, save_model
 from tailtamer.model.tokenizer import Tokenizer, char_tokenizer
-from tailtamer.stopping import Interrupted, StopRequest
+from tailtamer.resumable import Resumable, kept, stopped
+from tailtamer.stopping import StopRequest
 from tailtamer.tasks.arithmetic import ArithmeticTask
 
 CACHE_ENV = "TAILTAMER_CACHE"
@@ -125,15 +126,13 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def partial_path(out_dir: str | Path, cfg: SFTConfig) -> Path:
-    """Where a stopped `train_sft` of `cfg` into `out_dir` keeps its state: a sibling file named
-    by the config, so that another config's state is never read, nor replaced."""
-    out_dir = Path(os.path.abspath(out_dir))
-    return out_dir.with_name(f"{out_dir.name}.partial-{cfg.key()}.pt")
+def partial_path(out_dir: str | Path, cfg: SFTConfig) -> Resumable:
+    """Where a stopped `train_sft` of `cfg` into `out_dir` keeps its state."""
+    return Resumable.beside(out_dir, cfg.key())
 
 
 def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = print,
-              partial: Path | None = None) -> dict:
+              partial: Resumable | None = None) -> dict:
     """Train the base model into `out_dir`. A Ctrl-C or SIGTERM stops after the step and saves
     the state into `partial` (a file, `partial_path`), from which the next call goes on: the
     model, AdamW's state and the data stream where they were, so the result is the same as an
@@ -145,13 +144,17 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
                               pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
     model, opt = _fresh_model(cfg, model_cfg)
     total, start, loss_ema, before_s = cfg.steps + cfg.habit_steps, 0, None, 0.0
-    if partial is not None and (partial.exists() or partial.is_symlink()):
-        try:
-            start, loss_ema, before_s = _load_partial(partial, cfg, model, opt)
-            log(f"going on from step {start} of {total}, saved in {partial}")
-        except Exception as e:  # damaged: start over (a stop replaces it)
-            log(f"{partial}: cannot go on from it ({type(e).__name__}: {e}); training from the start")
-            model, opt = _fresh_model(cfg, model_cfg)
+
+    def apply(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+
+    state = partial.resume(apply, log) if partial is not None else None
+    if state is not None:
+        start, loss_ema, before_s = int(state["step"]), float(state["loss_ema"]), float(state["seconds"])
+    elif partial is not None and partial.path.exists():  # one that did not load may have half-loaded
+        model, opt = _fresh_model(cfg, model_cfg)
     t0, rng = time.perf_counter() - before_s, random.Random(cfg.seed)
     worked = length_bucketed_batches(tok, cfg, rng)
     habit = length_bucketed_batches(tok, cfg, rng, direct_prob=cfg.direct_answer_prob)
@@ -173,12 +176,11 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
             if step % 50 == 0 or step == total - 1:
                 log(f"sft step {step + 1:4d}/{total}  loss {loss_ema:.4f}  {time.perf_counter() - t0:6.1f}s")
             if stop.requested and step + 1 < total:
-                saved = "" if partial is None else _save_partial(partial, cfg, model, opt, step + 1, loss_ema,
+                saved = "" if partial is None else _save_partial(partial, model, opt, step + 1, loss_ema,
                                                                  time.perf_counter() - t0)
-                raise Interrupted(f"stopped by {stop.reason} after step {step + 1} of {total} of the base model's "
-                                  f"training{saved}", stop.reason)
+                raise stopped(stop.reason, step + 1, total, "the base model's training", saved)
         if partial is not None and start < total:
-            _save_partial(partial, cfg, model, opt, total, loss_ema, time.perf_counter() - t0)
+            _save_partial(partial, model, opt, total, loss_ema, time.perf_counter() - t0)
         model.eval()  # the last step done: a stop now waits for the model's files, which are the rest
         out_dir = Path(out_dir)
         save_model(model, out_dir)
@@ -189,15 +191,9 @@ def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = 
     return info
 
 
-def _save_partial(path: Path, cfg: SFTConfig, model, opt, step: int, loss_ema: float, seconds: float) -> str:
-    """Save the training state after `step` steps; what to tell the user."""
-    state = {"key": cfg.key(), "step": step, "loss_ema": loss_ema, "seconds": seconds, "model": model.state_dict(),
-             "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}
-    try:
-        atomic_write(path, lambda tmp: torch.save(state, tmp))
-    except OSError as e:
-        return f"; its state could not be saved into {path} ({e.strerror or e})"
-    return f"; saved in {path}: the same command goes on from there"
+def _save_partial(partial: Resumable, model, opt, step: int, loss_ema: float, seconds: float) -> str:
+    return partial.save({"step": step, "loss_ema": loss_ema, "seconds": seconds, "model": model.state_dict(),
+                         "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()})
 
 
 def _fresh_model(cfg: SFTConfig, model_cfg):
@@ -209,18 +205,6 @@ def _fresh_model(cfg: SFTConfig, model_cfg):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     return model, opt
-
-
-def _load_partial(path: Path, cfg: SFTConfig, model, opt) -> tuple[int, float, float]:
-    """(steps done, loss average, seconds) of the state `_save_partial` wrote, loaded into
-    `model` and `opt`; raises when it is damaged."""
-    state = torch.load(path, weights_only=True)
-    if state["key"] != cfg.key():
-        raise ValueError("saved by another sft config")
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
-    return int(state["step"]), float(state["loss_ema"]), float(state["seconds"])
 
 
 def _byte_level_tokenizer(model_dir: Path) -> None:
@@ -268,7 +252,6 @@ def write_base_model(cfg: SFTConfig, out_dir: Path, log: Callable[[str], None] =
     try:
         write_dir(out_dir, lambda tmp: info.update(train_sft(cfg, tmp, log, partial)), existing=existing)
     except OSError as e:
-        kept = f"; the training's state is kept in {partial}: the same command writes it" if partial.exists() else ""
-        raise WriteError(f"cannot write the base model into {out_dir} ({e.strerror or e}){kept}") from None
-    partial.unlink(missing_ok=True)
+        raise WriteError(f"cannot write the base model into {out_dir} ({e.strerror or e}){kept(partial)}") from None
+    partial.remove()
     return info

@@ -109,7 +109,7 @@ def test_a_batch_size_of_zero_names_the_flag(model_dir, tmp_path, capsys):
 
 
 def test_more_responses_than_memory_holds_are_refused_before_generating(model_dir, tmp_path, capsys):
-    from tailtamer.cli import check_responses_fit
+    from tailtamer.arguments import check_responses_fit
     from tailtamer.memory import responses_bytes
 
     check_responses_fit(2, 8, 256, "advice", available=responses_bytes(16, 256))  # exactly fits

@@ -1,6 +1,7 @@
 """The EAGLE drafter: checkpoints, sharing, the h_t <-> x_{t+1} pairing, loss and training."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from tailtamer.drafter.train import DrafterTrainConfig, eagle_loss, eagle_pairs, pack, train_drafter, unrolled_loss
 from tailtamer.errors import CheckpointError, ConfigError
 from tailtamer.model.drafter import init_drafter, load_drafter, save_drafter, weights_checksum
-from conftest import random_model, tiny_config
+from conftest import random_model, tiny_config, token_prompts
 
 
 @pytest.fixture
@@ -343,3 +344,73 @@ def test_an_unrolled_level_is_what_a_chain_drafts_there(target, monkeypatch, unr
                     torch.testing.assert_close(got_hidden[j], last[0])
                     torch.testing.assert_close(got_target[j], h_next[0, j + m])
     assert torch.isfinite(loss) and loss > seen[0][0].new_tensor(0)
+
+
+def test_a_stopped_drafter_training_goes_on_where_it_was(target, tmp_path, monkeypatch):
+    """`drafter train` on a real model can take hours; a Ctrl-C lost all of it. It now stops
+    after the step with its state saved beside --out, named by what it trains from (the
+    config, the target's weights, the data, the starting drafter), and the same call goes on
+    to the very weights of an uninterrupted run; other inputs never read that state."""
+    import os
+    import signal
+
+    import tailtamer.drafter.train as train
+    from tailtamer.drafter.train import training_state
+    from tailtamer.stopping import Interrupted
+
+    seqs = [p + p[::-1] for p in token_prompts(24, seed=4)]
+    cfg = DrafterTrainConfig(steps=12, batch_size=4, lr=3e-3)
+    straight, info = train_drafter(target, seqs, cfg, log=lambda _: None)
+    state = training_state(tmp_path / "d", target, seqs, cfg)
+    assert state.key != training_state(tmp_path / "d", target, seqs[1:], cfg).key  # other data, another state
+    assert state.key != training_state(tmp_path / "d", target, seqs, DrafterTrainConfig(steps=13, batch_size=4,
+                                                                                         lr=3e-3)).key
+    loss = train.unrolled_loss
+    for start, at in ((0, 3), (3, 8)):  # the second goes on from the first's stop
+        calls = []
+
+        def ctrl_c(*args, **kwargs):  # in the middle of step `at`, as a terminal sends it
+            calls.append(1)
+            if start + len(calls) == at:
+                os.kill(os.getpid(), signal.SIGINT)
+            return loss(*args, **kwargs)
+
+        monkeypatch.setattr(train, "unrolled_loss", ctrl_c)
+        with pytest.raises(Interrupted, match=rf"^stopped by Ctrl-C after step {at} of 12 of the drafter's training; "
+                                              rf"saved in {re.escape(str(state.path))}: the same command goes on"):
+            train_drafter(target, seqs, cfg, log=lambda _: None, state=state)
+    monkeypatch.setattr(train, "unrolled_loss", loss)
+    logs = []
+    resumed, resumed_info = train_drafter(target, seqs, cfg, log=logs.append, state=state)
+    assert any(line.startswith("going on from step 8, saved in ") for line in logs), logs
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()))
+    assert resumed_info["final"] == info["final"]
+    # the finished state stays until the caller has written the drafter
+    assert state.path.exists()
+    again, _ = train_drafter(target, seqs, cfg, log=lambda _: None, state=state)
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), again.state_dict().values()))
+
+
+def test_drafter_train_removes_its_state_once_the_drafter_is_written(model_dir, tmp_path, monkeypatch):
+    """The finished training's state is kept until the drafter is in place (a write that fails
+    says where it is; the same command then writes the drafter from it), then removed."""
+    import tailtamer.atomic as atomic
+    from tailtamer.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": "12+34=46 and 46-34=12"}) + "\n" for _ in range(8)))
+    argv = ["drafter", "train", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "dr"),
+            "--steps", "3"]
+    rename = atomic.os.rename
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "rename", full)
+    assert main(argv) == 2
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("dr.partial-")]
+    assert len(kept) == 1 and not (tmp_path / "dr").exists()
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    assert main(argv) == 0
+    assert (tmp_path / "dr" / "model.safetensors").is_file() and not kept[0].exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "dr", "model"]  # model: model_dir

@@ -24,11 +24,13 @@ from tailtamer.config_fields import f
 from tailtamer.device import device_memory
 from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.memory import available_memory, size
-from tailtamer.model.drafter import Drafter, init_drafter, save_drafter
+from tailtamer.model.drafter import Drafter, init_drafter, save_drafter, weights_checksum
 from tailtamer.model.io import load_pretrained
 from tailtamer.model.transformer import Transformer
+from tailtamer.resumable import Resumable, stopped
 from tailtamer.rollout.speculative import MAX_DEPTH
 from tailtamer.sft import make_batch
+from tailtamer.stopping import StopRequest
 
 
 class TrainingDiverged(TailtamerError):
@@ -204,8 +206,22 @@ def read_texts(path: str | Path) -> list[str]:
     return texts
 
 
+def training_state(out_dir: str | Path, target: Transformer, sequences: list[list[int]], cfg: DrafterTrainConfig,
+                   drafter: Drafter | None = None) -> Resumable:
+    """Where a stopped drafter training into `out_dir` keeps its state, named by what it trains
+    from: its config, the target's weights, the sequences and the drafter it starts from."""
+    key = hashlib.sha256(json.dumps([cfg.key(), weights_checksum(target), drafter and weights_checksum(drafter),
+                                     sequences]).encode()).hexdigest()[:12]
+    return Resumable.beside(out_dir, key)
+
+
 def train_drafter(target: Transformer, sequences: list[list[int]], cfg: DrafterTrainConfig,
-                  drafter: Drafter | None = None, log: Callable[[str], None] = print) -> tuple[Drafter, dict]:
+                  drafter: Drafter | None = None, log: Callable[[str], None] = print,
+                  state: Resumable | None = None) -> tuple[Drafter, dict]:
+    """Train `drafter` (default: a new one) on `sequences` of `target`. A Ctrl-C or SIGTERM stops
+    after the step and saves into `state` (`training_state`), from which the next call goes on
+    to the drafter an uninterrupted run gives; the finished state is saved there too, for the
+    caller to remove once the drafter is written."""
     sequences = [s for s in sequences if len(s) >= 3]
     if not sequences:
         raise DataError("drafter training needs sequences of at least 3 tokens")
@@ -214,7 +230,8 @@ def train_drafter(target: Transformer, sequences: list[list[int]], cfg: DrafterT
     flags = [p.requires_grad for p in target.parameters()]
     target.eval().requires_grad_(False)
     try:
-        return _train(target, sequences, cfg, drafter or init_drafter(target, seed=cfg.seed, fc_bias=cfg.fc_bias), rng, log)
+        return _train(target, sequences, cfg, drafter or init_drafter(target, seed=cfg.seed, fc_bias=cfg.fc_bias), rng, log,
+                      state)
     finally:
         for p, flag in zip(target.parameters(), flags):
             p.requires_grad_(flag)
@@ -257,10 +274,32 @@ def feature_budget(cache_mb: int, available: int | None) -> int:
     return budget if available is None else min(budget, available // 2)
 
 
-def _train(target, sequences, cfg, drafter, rng, log):
+def _train(target, sequences, cfg, drafter, rng, log, state: Resumable | None):
     drafter.train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    t0, history = time.perf_counter(), []
+    initial = {k: v.clone() for k, v in drafter.state_dict().items()}
+    first, before_s, history = 0, 0.0, []
+
+    def apply(saved: dict) -> None:
+        drafter.load_state_dict(saved["drafter"])
+        opt.load_state_dict(saved["optimizer"])
+        rng.setstate((saved["rng"][0], tuple(saved["rng"][1]), saved["rng"][2]))
+        torch.set_rng_state(saved["torch_rng"])
+
+    saved = state.resume(apply, log) if state is not None else None
+    if saved is not None:
+        first, before_s, history = int(saved["step"]), float(saved["seconds"]), [saved["last"]]
+    elif state is not None and state.path.exists():  # one that did not load may have half-loaded
+        drafter.load_state_dict(initial)
+        opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        rng.seed(cfg.seed)
+
+    def save(step: int) -> str:
+        return state.save({"step": step, "seconds": time.perf_counter() - t0, "last": history[-1],
+                           "drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "rng": rng.getstate(),
+                           "torch_rng": torch.get_rng_state()})
+
+    t0 = time.perf_counter() - before_s
     device = target.device
     budget = feature_budget(cfg.feature_cache_mb, available_memory(device.type, lambda: device_memory(device)))
     if feature_bytes(target, sequences) <= budget:  # a minute or more on a CPU, before the first step
@@ -271,38 +310,49 @@ def _train(target, sequences, cfg, drafter, rng, log):
         log(f"drafter training: the target's features take {size(feature_bytes(target, sequences))}, over the "
             f"{size(budget)} budget (feature_cache_mb, at most half the free memory): the target runs at every "
             f"step instead")
-    for step in range(cfg.steps):
-        # Batches of similar length waste less on padding (lengths are long-tailed).
-        pool = sorted(rng.sample(range(len(sequences)), min(len(sequences), cfg.batch_size * 4)),
-                      key=lambda i: len(sequences[i]))
-        start = rng.randrange(0, max(1, len(pool) - cfg.batch_size + 1))
-        chosen = pool[start: start + cfg.batch_size]
-        ids, valid = make_batch([(sequences[i], [1] * len(sequences[i])) for i in chosen], 0, target.device)
-        with torch.no_grad():
-            if features is None:
-                t_logits, hidden = target(ids)
-            else:  # the final hidden states are post-norm: the LM head alone gives the logits
-                hidden = torch.nn.utils.rnn.pad_sequence([features[i] for i in chosen], batch_first=True)
-                t_logits = target.lm_head(hidden)
-        x, h_in, h_next, logits_next, mask = eagle_pairs(ids, hidden, t_logits, valid)
-        loss, vloss, ploss, pred_logits = unrolled_loss(drafter, x, h_in, h_next, logits_next, mask, unroll=cfg.unroll,
-                                                        value_weight=cfg.value_weight, prob_weight=cfg.prob_weight)
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        acc = top1_accuracy(pred_logits, logits_next, mask)
-        history.append({"step": step, "loss": loss.item(), "vloss": vloss.item(), "ploss": ploss.item(), "top1": acc})
-        if step % 50 == 0 or step == cfg.steps - 1:
-            log(f"drafter step {step:4d}/{cfg.steps}  loss {loss.item():.4f}  top-1 {acc:.1%}  "
-                f"{time.perf_counter() - t0:5.1f}s")
+    with StopRequest(log=log) as stop:
+        for step in range(first, cfg.steps):
+            _step(target, sequences, features, cfg, drafter, opt, rng, step, history, log, t0)
+            if stop.requested and step + 1 < cfg.steps:
+                raise stopped(stop.reason, step + 1, cfg.steps, "the drafter's training",
+                              "" if state is None else save(step + 1))
+        if state is not None and first < cfg.steps:
+            save(cfg.steps)
     drafter.eval()
     if not all(torch.isfinite(p).all() for p in drafter.parameters()):
         raise TrainingDiverged(f"drafter training diverged (loss {history[-1]['loss']}); nothing was written: "
                                f"try a lower --lr than {cfg.lr}")
     return drafter, {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "final": history[-1]}
+
+
+def _step(target, sequences, features, cfg, drafter, opt, rng, step, history, log, t0) -> None:
+    """One optimizer step of the drafter on a batch of similar-length sequences."""
+    # Batches of similar length waste less on padding (lengths are long-tailed).
+    pool = sorted(rng.sample(range(len(sequences)), min(len(sequences), cfg.batch_size * 4)),
+                  key=lambda i: len(sequences[i]))
+    start = rng.randrange(0, max(1, len(pool) - cfg.batch_size + 1))
+    chosen = pool[start: start + cfg.batch_size]
+    ids, valid = make_batch([(sequences[i], [1] * len(sequences[i])) for i in chosen], 0, target.device)
+    with torch.no_grad():
+        if features is None:
+            t_logits, hidden = target(ids)
+        else:  # the final hidden states are post-norm: the LM head alone gives the logits
+            hidden = torch.nn.utils.rnn.pad_sequence([features[i] for i in chosen], batch_first=True)
+            t_logits = target.lm_head(hidden)
+    x, h_in, h_next, logits_next, mask = eagle_pairs(ids, hidden, t_logits, valid)
+    loss, vloss, ploss, pred_logits = unrolled_loss(drafter, x, h_in, h_next, logits_next, mask, unroll=cfg.unroll,
+                                                    value_weight=cfg.value_weight, prob_weight=cfg.prob_weight)
+    for g in opt.param_groups:
+        g["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    opt.step()
+    acc = top1_accuracy(pred_logits, logits_next, mask)
+    history.append({"step": step, "loss": loss.item(), "vloss": vloss.item(), "ploss": ploss.item(), "top1": acc})
+    if step % 50 == 0 or step == cfg.steps - 1:
+        log(f"drafter step {step:4d}/{cfg.steps}  loss {loss.item():.4f}  top-1 {acc:.1%}  "
+            f"{time.perf_counter() - t0:5.1f}s")
 
 
 def ensure_builtin_drafter(model_dir: Path, cfg: DrafterTrainConfig = DrafterTrainConfig(),
@@ -317,7 +367,9 @@ def ensure_builtin_drafter(model_dir: Path, cfg: DrafterTrainConfig = DrafterTra
         target, tokenizer = load_pretrained(model_dir)
         problems = ArithmeticTask().dataset(4000, seed=cfg.seed + 7)
         seqs = encode_texts(tokenizer, [p["prompt"] + p["trace"] for p in problems], cfg.max_len)
-        drafter, info = train_drafter(target, seqs, cfg, log=log)
+        state = training_state(out, target, seqs, cfg)
+        drafter, info = train_drafter(target, seqs, cfg, log=log, state=state)
         save_drafter(drafter, out)
         atomic_write_json(out / "train.json", info)
+        state.remove()
     return out
