@@ -321,7 +321,6 @@ def test_an_unrolled_level_is_what_a_chain_drafts_there(target, monkeypatch, unr
     monkeypatch.setattr("tailtamer.drafter.train.eagle_loss", lambda *a: seen.append(a) or eagle_loss(*a))
     loss, vloss, ploss, _ = unrolled_loss(drafter, tokens, h_in, h_next, target_logits, mask, positions, attn, unroll)
     assert len(seen) == unroll
-    T = tokens.shape[1]
     starts = [0, lengths[0]]
     with torch.no_grad():
         for m in range(1, unroll):

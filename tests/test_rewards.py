@@ -273,7 +273,7 @@ def test_a_reward_that_is_no_function_is_named_for_what_it_is(tmp_path):
 @pytest.mark.parametrize("weight", ["1e300", "-1e13"])
 def test_a_reward_weight_that_would_overflow_is_refused(weight):
     """1e300 ran, every reward inf and every update skipped, and the run said it finished."""
-    with pytest.raises(ConfigError, match=rf"rl.reward_weights: .* is beyond \+-1e\+12"):
+    with pytest.raises(ConfigError, match=r"rl.reward_weights: .* is beyond \+-1e\+12"):
         load_train_config(None, ["rl.reward=[math,math]", f"rl.reward_weights=[1,{weight}]"])
     load_train_config(None, ["rl.reward=[math,math]", "rl.reward_weights=[1,-1e12]"])
 
