@@ -76,11 +76,17 @@ def _stop(procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
     arrive during one long torch call reach Python's handler as one. Killed when an arm has
     not ended within STOP_GRACE_S."""
     running = {name: p for name, p in procs.items() if p.poll() is None}
-    for name, p in running.items():
+    said = {name: logs[name].stat().st_size for name in running}  # what each log held before the signal
+    for p in running.values():
         p.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + STOP_GRACE_S
-        while p.poll() is None and time.monotonic() < deadline and STOPPING not in logs[name].read_text():
-            time.sleep(0.05)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for name, p in running.items():
+        with open(logs[name], "rb") as log:
+            log.seek(said[name])
+            heard = b""
+            while p.poll() is None and time.monotonic() < deadline and STOPPING.encode() not in heard:
+                time.sleep(0.05)
+                heard += log.read()
         if p.poll() is None:
             p.send_signal(signal.SIGINT)
     deadline = time.monotonic() + STOP_GRACE_S

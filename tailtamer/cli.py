@@ -111,16 +111,15 @@ def cmd_drafter_train(args) -> None:
         write_dir(Path(args.out), write)
     except OSError as e:
         raise WriteError(f"cannot write the drafter into {args.out} ({e.strerror or e}){kept(state)}") from None
-    state.remove()
+    state.remove(print)
     print(f"wrote the drafter to {args.out} (top-1 agreement with the target {info['final']['top1']:.1%})")
 
 
 def cmd_sft(args) -> None:
     from dataclasses import replace
 
-    from tailtamer.sft import SFTConfig, ensure_base_model, write_base_model
-
     from tailtamer.model.config import PRESETS
+    from tailtamer.sft import SFTConfig, ensure_base_model, write_base_model
 
     given = {"steps": args.steps, "habit_steps": args.habit_steps, "seed": args.seed, "preset": args.preset}
     if args.steps is not None:

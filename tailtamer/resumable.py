@@ -6,6 +6,7 @@ differs."""
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,18 @@ class Resumable:
         log(f"going on from step {state['step']}, saved in {self.path}")
         return state
 
-    def remove(self) -> None:
-        """Once what the training wrote is in place."""
-        self.path.unlink(missing_ok=True)
+    def remove(self, log: Callable[[str], None]) -> None:
+        """Once what the training wrote is in place (or it diverged). Other inputs' states beside
+        it are kept, and named: each may hold a model's size."""
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as e:
+            log(f"{self.path}: the training's state, no longer needed, could not be removed ({e.strerror or e})")
+        prefix = self.path.name[: self.path.name.rindex("-") + 1]
+        others = sorted(p.name for p in self.path.parent.glob(f"{glob.escape(prefix)}*.pt") if p != self.path)
+        if others:
+            log(f"states of stopped trainings from other inputs are kept in {self.path.parent}: {', '.join(others)}; "
+                f"remove those no command will go on from")
 
 
 def stopped(by: str, step: int, total: int, what: str, saved: str) -> Interrupted:

@@ -126,7 +126,7 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def partial_path(out_dir: str | Path, cfg: SFTConfig) -> Resumable:
+def training_state(out_dir: str | Path, cfg: SFTConfig) -> Resumable:
     """Where a stopped `train_sft` of `cfg` into `out_dir` keeps its state."""
     return Resumable.beside(out_dir, cfg.key())
 
@@ -134,7 +134,7 @@ def partial_path(out_dir: str | Path, cfg: SFTConfig) -> Resumable:
 def train_sft(cfg: SFTConfig, out_dir: str | Path, log: Callable[[str], None] = print,
               partial: Resumable | None = None) -> dict:
     """Train the base model into `out_dir`. A Ctrl-C or SIGTERM stops after the step and saves
-    the state into `partial` (a file, `partial_path`), from which the next call goes on: the
+    the state into `partial` (a file, `training_state`), from which the next call goes on: the
     model, AdamW's state and the data stream where they were, so the result is the same as an
     uninterrupted run's (a second Ctrl-C stops at once, saving nothing). The finished state is
     saved there too, for the caller to remove once the model is in place: a model that cannot
@@ -248,10 +248,10 @@ def write_base_model(cfg: SFTConfig, out_dir: Path, log: Callable[[str], None] =
     """`train_sft` into `out_dir` through a hidden sibling (`write_dir`, `existing` as there),
     then the training's saved state removed; a write that fails is one line, which says where
     the state is kept when it is (the same call then writes the model from it)."""
-    partial, info = partial_path(out_dir, cfg), {}
+    partial, info = training_state(out_dir, cfg), {}
     try:
         write_dir(out_dir, lambda tmp: info.update(train_sft(cfg, tmp, log, partial)), existing=existing)
     except OSError as e:
         raise WriteError(f"cannot write the base model into {out_dir} ({e.strerror or e}){kept(partial)}") from None
-    partial.remove()
+    partial.remove(log)
     return info

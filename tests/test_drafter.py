@@ -413,3 +413,75 @@ def test_drafter_train_removes_its_state_once_the_drafter_is_written(model_dir, 
     assert main(argv) == 0
     assert (tmp_path / "dr" / "model.safetensors").is_file() and not kept[0].exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "dr", "model"]  # model: model_dir
+
+
+def test_a_drafter_state_keeps_its_inputs_and_its_path(target, tmp_path, monkeypatch):
+    """The state's name covers the target's config (rope_theta changes the hidden states, not
+    the weights); a resume keeps the feature path its first part took (cached features and the
+    target run every step agree to 7 digits, not to the bit); a state that fails part-way
+    through loading is reset to the start; a diverged training removes its state (going on from
+    it diverges again); other inputs' states are named when one is removed."""
+    import dataclasses
+    import os
+    import signal
+
+    import tailtamer.drafter.train as train
+    from tailtamer.drafter.train import training_state
+    from tailtamer.model.transformer import Transformer
+    from tailtamer.stopping import Interrupted
+
+    seqs = [p + p[::-1] for p in token_prompts(24, seed=4)]
+    cfg = DrafterTrainConfig(steps=10, batch_size=4, lr=3e-3)
+    other = Transformer(dataclasses.replace(target.config, rope_theta=target.config.rope_theta * 2))
+    other.load_state_dict(target.state_dict())
+    assert training_state(tmp_path / "d", other, seqs, cfg).key != training_state(tmp_path / "d", target, seqs, cfg).key
+    # stopped without the feature cache, resumed with it: the resume runs the target every step, as before
+    uncached = dataclasses.replace(cfg, feature_cache_mb=0)
+    straight, _ = train_drafter(target, seqs, uncached, log=lambda _: None)
+    state = training_state(tmp_path / "d", target, seqs, cfg)
+    assert state == training_state(tmp_path / "d", target, seqs, uncached)  # the cache is memory, not an input
+    loss, calls = train.unrolled_loss, []
+
+    def ctrl_c(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(train, "unrolled_loss", ctrl_c)
+    with pytest.raises(Interrupted):
+        train_drafter(target, seqs, uncached, log=lambda _: None, state=state)
+    monkeypatch.setattr(train, "unrolled_loss", loss)
+    logs = []
+    resumed, _ = train_drafter(target, seqs, cfg, log=logs.append, state=state)
+    assert not any("hidden states" in line for line in logs), logs
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()))
+    # a state whose drafter and optimizer load and whose torch RNG state does not: reset, trained from the start
+    saved = torch.load(state.path, weights_only=True)
+    saved.update(step=5, torch_rng=torch.zeros(3, dtype=torch.uint8))
+    torch.save(saved, state.path)
+    logs = []
+    fresh, _ = train_drafter(target, seqs, uncached, log=logs.append, state=state)
+    assert any(line.startswith(f"{state.path}: cannot go on from it (") for line in logs), logs
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), fresh.state_dict().values()))
+    # a training that diverges takes its state away, and names the other inputs' states it leaves
+    beside = training_state(tmp_path / "d", target, seqs[1:], cfg).path
+    beside.write_bytes(b"another input's state")
+    logs = []
+    with pytest.raises(train.TrainingDiverged):
+        train_drafter(target, seqs, dataclasses.replace(cfg, lr=1e38), log=logs.append,
+                      state=training_state(tmp_path / "d", target, seqs, dataclasses.replace(cfg, lr=1e38)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([state.path.name, beside.name])
+    assert any(line.startswith(f"states of stopped trainings from other inputs are kept in {tmp_path}: ")
+               and beside.name in line and state.path.name in line for line in logs), logs
+
+
+def test_a_state_that_cannot_be_removed_is_said(tmp_path):
+    """A directory where the state file goes made a traceback after the output was written."""
+    from tailtamer.resumable import Resumable
+
+    state = Resumable.beside(tmp_path / "out", "abc")
+    state.path.mkdir()
+    logs = []
+    state.remove(logs.append)
+    assert logs == [f"{state.path}: the training's state, no longer needed, could not be removed (Is a directory)"]

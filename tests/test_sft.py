@@ -147,13 +147,13 @@ def test_a_stopped_base_model_training_goes_on_where_it_was(tmp_path, monkeypatc
     with pytest.raises(Interrupted):
         sft.write_base_model(other, tmp_path / "m", log=lambda _: None)
     monkeypatch.setattr(sft, "lr_at", lr_at)
-    theirs = sft.partial_path(tmp_path / "m", other).path
+    theirs = sft.training_state(tmp_path / "m", other).path
     before = theirs.read_bytes()
     logs = []
     sft.write_base_model(cfg, tmp_path / "m", log=logs.append)
     assert same(tmp_path / "m") and not any("going on" in line for line in logs) and theirs.read_bytes() == before
     # a damaged state is said, and training starts over
-    mine = sft.partial_path(tmp_path / "d", cfg).path
+    mine = sft.training_state(tmp_path / "d", cfg).path
     mine.write_bytes(b"damaged")
     logs = []
     sft.write_base_model(cfg, tmp_path / "d", log=logs.append)
@@ -178,7 +178,7 @@ def test_a_trained_base_model_that_cannot_be_moved_into_place_is_kept(tmp_path, 
         raise OSError(errno.ENOTEMPTY, "Directory not empty", dst)
 
     monkeypatch.setattr(atomic.os, "rename", filled)
-    state = sft.partial_path(tmp_path / "m", cfg).path
+    state = sft.training_state(tmp_path / "m", cfg).path
     with pytest.raises(WriteError, match=rf"^cannot write the base model into {tmp_path / 'm'} \(Directory not "
                                          rf"empty\); the training's state is kept in {state}: the same command"):
         sft.write_base_model(cfg, tmp_path / "m", log=lambda _: None)

@@ -12,6 +12,7 @@ import json
 import math
 import random
 import time
+from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -209,10 +210,13 @@ def read_texts(path: str | Path) -> list[str]:
 def training_state(out_dir: str | Path, target: Transformer, sequences: list[list[int]], cfg: DrafterTrainConfig,
                    drafter: Drafter | None = None) -> Resumable:
     """Where a stopped drafter training into `out_dir` keeps its state, named by what it trains
-    from: its config, the target's weights, the sequences and the drafter it starts from."""
-    key = hashlib.sha256(json.dumps([cfg.key(), weights_checksum(target), drafter and weights_checksum(drafter),
-                                     sequences]).encode()).hexdigest()[:12]
-    return Resumable.beside(out_dir, key)
+    from: its config, the target (config and weights), the sequences and the drafter it starts
+    from. The weights are read once (about 1 s a GB on a CPU core)."""
+    h = hashlib.sha256(json.dumps([cfg.key(), repr(target.config), weights_checksum(target),
+                                   None if drafter is None else weights_checksum(drafter)]).encode())
+    for seq in sequences:  # as they come: a copy of the whole data as text would double its memory
+        h.update(array("q", seq).tobytes() + b"|")
+    return Resumable.beside(out_dir, h.hexdigest()[:12])
 
 
 def train_drafter(target: Transformer, sequences: list[list[int]], cfg: DrafterTrainConfig,
@@ -277,7 +281,8 @@ def feature_budget(cache_mb: int, available: int | None) -> int:
 def _train(target, sequences, cfg, drafter, rng, log, state: Resumable | None):
     drafter.train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    initial = {k: v.clone() for k, v in drafter.state_dict().items()}
+    # what a state that fails part-way through loading leaves is reset to this
+    initial = {k: v.clone() for k, v in drafter.state_dict().items()} if state and state.path.exists() else None
     first, before_s, history = 0, 0.0, []
 
     def apply(saved: dict) -> None:
@@ -289,40 +294,59 @@ def _train(target, sequences, cfg, drafter, rng, log, state: Resumable | None):
     saved = state.resume(apply, log) if state is not None else None
     if saved is not None:
         first, before_s, history = int(saved["step"]), float(saved["seconds"]), [saved["last"]]
-    elif state is not None and state.path.exists():  # one that did not load may have half-loaded
+    elif initial is not None:  # one that did not load may have half-loaded
         drafter.load_state_dict(initial)
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         rng.seed(cfg.seed)
 
+    t0 = time.perf_counter() - before_s
+    features = None
+    if first < cfg.steps:  # a finished state needs no step
+        # the cached features and the target run every step agree to 7 digits, not to the bit: a
+        # resumed training takes the path its first part took
+        features = _features(target, sequences, cfg, log, saved.get("cached") if saved is not None else None)
+
     def save(step: int) -> str:
         return state.save({"step": step, "seconds": time.perf_counter() - t0, "last": history[-1],
-                           "drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "rng": rng.getstate(),
-                           "torch_rng": torch.get_rng_state()})
+                           "cached": features is not None, "drafter": drafter.state_dict(),
+                           "optimizer": opt.state_dict(), "rng": rng.getstate(), "torch_rng": torch.get_rng_state()})
 
-    t0 = time.perf_counter() - before_s
-    device = target.device
-    budget = feature_budget(cfg.feature_cache_mb, available_memory(device.type, lambda: device_memory(device)))
-    if feature_bytes(target, sequences) <= budget:  # a minute or more on a CPU, before the first step
-        log(f"drafter training: the target's hidden states of {len(sequences)} sequences "
-            f"({sum(map(len, sequences)):,} tokens), once")
-    features = target_features(target, sequences, budget)
-    if features is None and cfg.feature_cache_mb:  # 0: the user turned the cache off
-        log(f"drafter training: the target's features take {size(feature_bytes(target, sequences))}, over the "
-            f"{size(budget)} budget (feature_cache_mb, at most half the free memory): the target runs at every "
-            f"step instead")
     with StopRequest(log=log) as stop:
         for step in range(first, cfg.steps):
             _step(target, sequences, features, cfg, drafter, opt, rng, step, history, log, t0)
             if stop.requested and step + 1 < cfg.steps:
                 raise stopped(stop.reason, step + 1, cfg.steps, "the drafter's training",
                               "" if state is None else save(step + 1))
+        drafter.eval()
+        if not all(torch.isfinite(p).all() for p in drafter.parameters()):
+            if state is not None:  # going on from it would diverge again
+                state.remove(log)
+            raise TrainingDiverged(f"drafter training diverged (loss {history[-1]['loss']}); nothing was written: "
+                                   f"try a lower --lr than {cfg.lr}")
         if state is not None and first < cfg.steps:
             save(cfg.steps)
-    drafter.eval()
-    if not all(torch.isfinite(p).all() for p in drafter.parameters()):
-        raise TrainingDiverged(f"drafter training diverged (loss {history[-1]['loss']}); nothing was written: "
-                               f"try a lower --lr than {cfg.lr}")
     return drafter, {"config": asdict(cfg), "seconds": time.perf_counter() - t0, "final": history[-1]}
+
+
+def _features(target, sequences, cfg, log, cached: bool | None) -> list[torch.Tensor] | None:
+    """The target's hidden states of `sequences` when they fit the budget (`target_features`);
+    `cached`: the choice a stopped training made, kept (True where they no longer fit: said)."""
+    if cached is False:
+        return None
+    device = target.device
+    budget = feature_budget(cfg.feature_cache_mb, available_memory(device.type, lambda: device_memory(device)))
+    if feature_bytes(target, sequences) <= budget:  # a minute or more on a CPU, before the first step
+        log(f"drafter training: the target's hidden states of {len(sequences)} sequences "
+            f"({sum(map(len, sequences)):,} tokens), once")
+    features = target_features(target, sequences, budget)
+    if features is None and cached:
+        log("drafter training: the target's features no longer fit the memory they took before the stop: the "
+            "target runs at every step, which agrees with them to about 7 digits, not to the bit")
+    elif features is None and cfg.feature_cache_mb:  # 0: the user turned the cache off
+        log(f"drafter training: the target's features take {size(feature_bytes(target, sequences))}, over the "
+            f"{size(budget)} budget (feature_cache_mb, at most half the free memory): the target runs at every "
+            f"step instead")
+    return features
 
 
 def _step(target, sequences, features, cfg, drafter, opt, rng, step, history, log, t0) -> None:
@@ -371,5 +395,5 @@ def ensure_builtin_drafter(model_dir: Path, cfg: DrafterTrainConfig = DrafterTra
         drafter, info = train_drafter(target, seqs, cfg, log=log, state=state)
         save_drafter(drafter, out)
         atomic_write_json(out / "train.json", info)
-        state.remove()
+        state.remove(log)
     return out
