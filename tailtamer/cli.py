@@ -6,6 +6,7 @@ Bad input ends with a one-line `error: ...` naming the file, field or row, and e
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -414,9 +415,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The parsed command line; an unknown argument is named with the command it was given
     to (`tailtamer bench`, not `tailtamer`, whose parser would otherwise report it)."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # options before the command are tailtamer's own: argparse would first say a command is
+    # missing, or print the version, and never name them
+    lead = list(itertools.takewhile(lambda a: a.startswith("-"), argv))
+    stray = [a for a in lead if a not in ("-h", "--help", "--version")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        argv = sys.argv[1:] if argv is None else argv
         last = len(argv) - 1 - argv[::-1].index(unknown[-1])  # the token may also be a value given before it
         parsers = [parser]
         for name in (args.command, getattr(args, "drafter_command", None)):

@@ -20,6 +20,9 @@ def _usage_error(capsys, argv) -> str:
     (["drafter", "train", "--model", "m", "--data", "d", "--out", "o", "--bogus"], "tailtamer drafter train"),
     (["train", "--seed", "3"], "tailtamer train"),
     (["--bogus", "task", "--out", "t.jsonl"], "tailtamer"),
+    (["--bogus"], "tailtamer"),  # it said a command was missing
+    (["--version", "--bogus"], "tailtamer"),  # it printed the version
+    (["--bogus1", "train", "--bogus2"], "tailtamer"),
     (["drafter", "train", "--model", "m", "--data", "d", "--out", "o", "drafter"], "tailtamer drafter train"),
 ])
 def test_an_unknown_argument_is_named_with_its_command(capsys, argv, prog):
