@@ -39,7 +39,7 @@ def run_paced(jobs: dict[str, list[str]], logs: dict[str, Path], timeout_s: floa
         try:
             for arm, (name, args) in enumerate(jobs.items()):
                 with open(logs[name], "w") as log:
-                    # a session of its own: a terminal's Ctrl-C reaches bench train alone, which stops the arms
+                    # its own process group (setsid): a terminal's Ctrl-C reaches bench train alone, which stops the arms
                     procs[name] = subprocess.Popen([sys.executable, "-m", "tailtamer.bench_train",
                                                     f"{pace}:{arm}:{len(jobs)}", *args],
                                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -226,7 +226,7 @@ def arm_main(argv: list[str]) -> int:
     from tailtamer.pace import Pace
     from tailtamer.rl.trainer import launch
 
-    exit_with_parent(os.getppid())  # in a session of its own: a killed bench train's arms would go on
+    exit_with_parent(os.getppid())  # in a process group of its own: a killed bench train's arms would go on
     try:
         summary = launch(load_train_config(None, argv[1:]), console=print, pace=Pace(argv[0]))
     except Interrupted as e:
