@@ -3,6 +3,7 @@ never a torn file or a half-filled directory."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -89,6 +90,7 @@ def writing(what: str, where, left: str = ""):
         raise WriteError(f"cannot write {what} into {where} ({e.strerror or e}){left}") from None
 
 
+@functools.cache  # a process keeps both, forked children too: read once, not at every write
 def _pid_space() -> str:
     """Where this process's PID means this process: the host and its PID namespace (containers
     of one pod share a host name and a volume, each with PIDs of its own)."""

@@ -65,11 +65,9 @@ def cmd_train(args) -> None:
 def cmd_drafter_train(args) -> None:
     from dataclasses import replace
 
-    from tailtamer.atomic import atomic_write_json, write_dir
+    from tailtamer.atomic import atomic_write_json
     from tailtamer.drafter.train import (DrafterTrainConfig, check_unroll, encode_texts, read_texts, train_drafter,
                                          training_state)
-    from tailtamer.errors import WriteError
-    from tailtamer.resumable import kept
     from tailtamer.model.drafter import load_drafter, save_drafter
     from tailtamer.model.io import load_pretrained
 
@@ -108,11 +106,7 @@ def cmd_drafter_train(args) -> None:
         save_drafter(drafter, tmp)
         atomic_write_json(tmp / "train.json", info)
 
-    try:
-        write_dir(Path(args.out), write)
-    except OSError as e:
-        raise WriteError(f"cannot write the drafter into {args.out} ({e.strerror or e}){kept(state)}") from None
-    state.remove(print)
+    state.write(args.out, write, "the drafter", print)
     print(f"wrote the drafter to {args.out} (top-1 agreement with the target {info['final']['top1']:.1%})")
 
 

@@ -14,7 +14,8 @@ from typing import Callable
 
 import torch
 
-from tailtamer.atomic import atomic_write
+from tailtamer.atomic import atomic_write, write_dir
+from tailtamer.errors import WriteError
 from tailtamer.stopping import Interrupted
 
 
@@ -56,6 +57,19 @@ class Resumable:
         log(f"going on from step {state['step']}, saved in {self.path}")
         return state
 
+    def write(self, out_dir: str | Path, write: Callable[[Path], None], what: str, log: Callable[[str], None],
+              existing: str = "empty") -> None:
+        """`write_dir(out_dir, write)` (`existing` as there), then this state removed: the
+        training's result is in place. A write that fails is one line, which says where the
+        state is kept when it is (the same command then writes the result from it)."""
+        try:
+            write_dir(Path(out_dir), write, existing=existing)
+        except OSError as e:
+            kept = f"; the training's state is kept in {self.path}: the same command writes it" \
+                if self.path.exists() else ""
+            raise WriteError(f"cannot write {what} into {out_dir} ({e.strerror or e}){kept}") from None
+        self.remove(log)
+
     def remove(self, log: Callable[[str], None]) -> None:
         """Once what the training wrote is in place (or it diverged). Other inputs' states beside
         it are kept, and named: each may hold a model's size."""
@@ -74,9 +88,3 @@ def stopped(by: str, step: int, total: int, what: str, saved: str) -> Interrupte
     """The stop to raise after `step` of `total` steps of `what` (`saved`: `Resumable.save`'s words)."""
     return Interrupted(f"stopped by {by} after step {step} of {total} of {what}{saved}", by)
 
-
-def kept(resumable: Resumable) -> str:
-    """For the message of a write that failed after the training: where its state is kept."""
-    if not resumable.path.exists():
-        return ""
-    return f"; the training's state is kept in {resumable.path}: the same command writes it"

@@ -29,13 +29,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tailtamer.atomic import atomic_write, atomic_write_json, write_dir
+from tailtamer.atomic import atomic_write, atomic_write_json
 from tailtamer.config_fields import f
-from tailtamer.errors import ConfigError, WriteError
+from tailtamer.errors import ConfigError
 from tailtamer.model.config import preset_config
 from tailtamer.model.io import init_model, save_model
 from tailtamer.model.tokenizer import Tokenizer, char_tokenizer
-from tailtamer.resumable import Resumable, kept, stopped
+from tailtamer.resumable import Resumable, stopped
 from tailtamer.stopping import StopRequest
 from tailtamer.tasks.arithmetic import ArithmeticTask
 
@@ -249,9 +249,5 @@ def write_base_model(cfg: SFTConfig, out_dir: Path, log: Callable[[str], None] =
     then the training's saved state removed; a write that fails is one line, which says where
     the state is kept when it is (the same call then writes the model from it)."""
     partial, info = training_state(out_dir, cfg), {}
-    try:
-        write_dir(out_dir, lambda tmp: info.update(train_sft(cfg, tmp, log, partial)), existing=existing)
-    except OSError as e:
-        raise WriteError(f"cannot write the base model into {out_dir} ({e.strerror or e}){kept(partial)}") from None
-    partial.remove(log)
+    partial.write(out_dir, lambda tmp: info.update(train_sft(cfg, tmp, log, partial)), "the base model", log, existing)
     return info
