@@ -68,7 +68,7 @@ def cmd_drafter_train(args) -> None:
     from tailtamer.atomic import atomic_write_json
     from tailtamer.drafter.train import (DrafterTrainConfig, check_unroll, encode_texts, read_texts, train_drafter,
                                          training_state)
-    from tailtamer.model.drafter import load_drafter, save_drafter
+    from tailtamer.model.drafter import check_drafter_dir, load_drafter, save_drafter
     from tailtamer.model.io import load_pretrained
 
     for flag, value in (("--steps", args.steps), ("--unroll", args.unroll)):
@@ -76,9 +76,8 @@ def cmd_drafter_train(args) -> None:
             at_least_one(value, flag)
     if args.unroll is not None:
         check_unroll(args.unroll, "--unroll")
-    if args.init and not Path(args.init).is_dir():  # before the model loads, named by its flag
-        raise TailtamerError(f"--init {args.init}: " + ("a file; a drafter is a directory" if Path(args.init).exists()
-                                                        else "drafter directory not found"))
+    if args.init:  # before the model loads, named by its flag
+        check_drafter_dir(args.init, f"--init {args.init}")
     fresh_output_dir(args.out, "--out")
     cfg = replace(DrafterTrainConfig(fc_bias=not args.no_fc_bias),
                   **{k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("seed", args.seed), ("unroll", args.unroll))
@@ -200,6 +199,7 @@ def cmd_bench(args) -> None:
     from tailtamer.bench import (ROLLOUT_ARMS, SD_BATCHES, bench_decode, bench_random_model, bench_rollout, bench_sd,
                                  check_arms)
     from tailtamer.bench_train import bench_train
+    from tailtamer.model.drafter import check_drafter_dir
 
     if args.preset and args.model:
         raise TailtamerError("give --model or --preset, not both")
@@ -226,9 +226,8 @@ def cmd_bench(args) -> None:
     if args.what == "profile" and args.model and steps_given:
         raise TailtamerError("--steps: bench profile --model times decode steps only (the RL steps are the built-in "
                              "job's); leave out --steps or --model")
-    if args.drafter and not Path(args.drafter).is_dir():  # before the model loads, named by its flag
-        raise TailtamerError(f"--drafter {args.drafter}: " + ("a file; a drafter is a directory"
-                                                              if Path(args.drafter).exists() else "no such directory"))
+    if args.drafter:  # before the model loads, named by its flag
+        check_drafter_dir(args.drafter, f"--drafter {args.drafter}")
     if drafts and args.model and not args.drafter:  # the built-in drafter is trained for the built-in model
         raise TailtamerError(f"bench {args.what} --model {args.model} needs --drafter DIR, an EAGLE drafter of that "
                              f"model (tailtamer drafter train --model {args.model} --data ... --out DIR)")

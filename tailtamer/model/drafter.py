@@ -162,11 +162,17 @@ def save_drafter(drafter: Drafter, out_dir: str | Path) -> None:
     write_drafter(drafter_tensors(drafter), drafter.config, out_dir)
 
 
+def check_drafter_dir(drafter_dir: str | Path, name: str | None = None) -> None:
+    """A drafter is a directory: a CheckpointError naming it (`name`: as the user gave it, e.g.
+    by its flag) when it is a file or missing."""
+    if not Path(drafter_dir).is_dir():
+        raise CheckpointError(f"{name or drafter_dir}: " + ("a file; a drafter is a directory"
+                                                            if Path(drafter_dir).exists() else "drafter directory not found"))
+
+
 def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
     drafter_dir = Path(drafter_dir)
-    if not drafter_dir.is_dir():
-        raise CheckpointError(f"{drafter_dir}: " + ("a file; a drafter is a directory" if drafter_dir.exists()
-                                                    else "drafter directory not found"))
+    check_drafter_dir(drafter_dir)
     path = drafter_dir / "config.json"
     raw = read_json(path, "config.json")
     arch = (raw.get("architectures") or [None])[0]
