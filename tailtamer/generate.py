@@ -54,7 +54,7 @@ def cmd_generate(args) -> None:
     from tailtamer.rl.data import context_cut, load_prompts
     from tailtamer.rollout.engine import Engine, EngineConfig
     from tailtamer.rollout.sampling import SamplingParams
-    from tailtamer.model.drafter import load_drafter
+    from tailtamer.model.drafter import check_drafter_dir, load_drafter
     from tailtamer.rollout.backend import EmbeddedBackend
     from tailtamer.rollout.speculator import check_engine_drafter, make_speculator
     from tailtamer.rollout.vllm_backend import (VLLMBackend, VLLMConfig, bias_free, check_params, check_strategies,
@@ -86,8 +86,9 @@ def cmd_generate(args) -> None:
     device = resolve_device(args.device)
     if vllm:  # before anything loads or starts
         check_params(params, spec.mode != "off", device.type)
-    inputs = {"--prompts": args.prompts, "--model": args.model, **({"--drafter": args.drafter}
-                                                                   if args.drafter not in (None, "ngram", "suffix") else {})}
+    if spec.eagle:  # before the model loads: a missing drafter said by its flag
+        check_drafter_dir(spec.drafter, f"--drafter {spec.drafter}")
+    inputs = {"--prompts": args.prompts, "--model": args.model, **({"--drafter": spec.drafter} if spec.eagle else {})}
     output_file(args.out, "--out", inputs)
     if args.stats:
         output_file(args.stats, "--stats", {**inputs, "--out": args.out})

@@ -81,7 +81,10 @@ def test_files_and_devices_where_directories_belong_are_named(model_dir, tmp_pat
     prompts = _prompts(tmp_path)
     code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
                  "--spec", "on", "--drafter", str(prompts)])
-    _one_line_error(capsys, f"{prompts}: a file; a drafter is a directory", code)
+    _one_line_error(capsys, f"--drafter {prompts}: a file; a drafter is a directory", code)
+    code = main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
+                 "--spec", "on", "--drafter", str(tmp_path / "nope")])
+    _one_line_error(capsys, f"--drafter {tmp_path / 'nope'}: drafter directory not found", code)
     _one_line_error(capsys, "--out /dev/null is not a directory; give a directory to create",
                     main(["init-model", "--preset", "tiny", "--out", "/dev/null"]))
     (model_dir / "tokenizer.json").unlink()

@@ -13,7 +13,7 @@ from tailtamer.rollout.fused import FusedProposer
 from tailtamer.rollout.proposer import Proposer
 from tailtamer.rollout.suffix import SuffixProposer
 from tailtamer.rollout.speculative import ACCEPTANCE_RULES, LOSSY_RULES, Strategy
-from tailtamer.rollout.tuner import BEGTuner, FixedTuner, from_one_up, group_by_verify
+from tailtamer.rollout.tuner import BEGTuner, FixedTuner, entries, from_one_up, group_by_verify
 
 # BEG-MAB defaults: two real choices per tokens-to-verify group (fastrl's defaults have one,
 # so its bandit never learns), buckets of batch sizes 1-2, 3-64, 65-255 and 256+ (Strategy.verify
@@ -233,8 +233,7 @@ class SpecConfig:
         if self.bucket_thresholds is not None:
             given = list(self.bucket_thresholds)
             if self.strategies is None and len(given) != groups and from_one_up(given):
-                entries = f"{len(given)} entr{'y' if len(given) == 1 else 'ies'}"
-                raise ConfigError(f"spec.bucket_thresholds has {entries} but the default arms form {groups} groups "
+                raise ConfigError(f"spec.bucket_thresholds has {entries(len(given))} but the default arms form {groups} groups "
                                   f"by tokens to verify: give {groups}, or leave it unset "
                                   f"({', '.join(map(str, DEFAULT_BUCKET_THRESHOLDS))})")
             return given

@@ -236,12 +236,16 @@ def from_one_up(thresholds: list[int]) -> bool:
     return bool(thresholds) and thresholds[0] == 1 and all(b > a for a, b in zip(thresholds, thresholds[1:]))
 
 
+def entries(n: int) -> str:
+    """'1 entry', 'n entries': how an error counts a list's items."""
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
 def validate_buckets(groups: list[list[Strategy]], thresholds: list[int]) -> None:
     # the values first: a negative threshold is the mistake to name, not the count
     if not from_one_up(thresholds):
         raise ConfigError(f"spec.bucket_thresholds must start at 1 and increase strictly, got {thresholds}")
     if len(thresholds) != len(groups):
         sizes = [g[0].width for g in groups]
-        entries = f"{len(thresholds)} entr{'y' if len(thresholds) == 1 else 'ies'}"
-        raise ConfigError(f"spec.bucket_thresholds has {entries} but the strategies form "
+        raise ConfigError(f"spec.bucket_thresholds has {entries(len(thresholds))} but the strategies form "
                           f"{len(groups)} groups by tokens to verify {sizes}: give one threshold per group")
