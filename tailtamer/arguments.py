@@ -25,6 +25,15 @@ def seed(text: str) -> int:
     return value
 
 
+def preset(text: str) -> str:
+    """argparse type of --preset: a model preset's name (model/config.py's PRESETS)."""
+    from tailtamer.model.config import PRESETS
+
+    if nonempty(text) not in PRESETS:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown; choose one of {', '.join(sorted(PRESETS))}")
+    return text
+
+
 def check_responses_fit(prompts: int, n: int, max_new_tokens: int, advice: str, available: int | None = None) -> None:
     """`generate` and `demo` keep every response until they write them: refused before they
     start when the responses could not fit in this machine's memory (a mistyped --n would

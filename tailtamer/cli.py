@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from tailtamer.arguments import at_least_one, check_responses_fit, nonempty, seed
+from tailtamer.arguments import at_least_one, check_responses_fit, nonempty, preset, seed
 from tailtamer.atomic import remove_empty_dirs
 from tailtamer.errors import DataError, TailtamerError
 from tailtamer.generate import cmd_generate
@@ -30,8 +30,12 @@ def cmd_train(args) -> None:
     from tailtamer.rl.trainer import launch
 
     if args.help_config:
+        # its optional value takes the next argument, so an override after it arrives here
+        alone = "lists the config fields and runs nothing; give it alone"
+        if args.help_config not in ("text", "markdown"):
+            raise TailtamerError(f"--help-config takes text or markdown, got {args.help_config!r}; it {alone}")
         if args.items or args.set or args.resume is not None:
-            raise TailtamerError("--help-config lists the config fields and runs nothing; give it alone")
+            raise TailtamerError(f"--help-config {alone}")
         print(config_reference() if args.help_config == "markdown" else "\n".join(config_help()), end="" if
               args.help_config == "markdown" else "\n")
         return
@@ -112,7 +116,6 @@ def cmd_drafter_train(args) -> None:
 def cmd_sft(args) -> None:
     from dataclasses import replace
 
-    from tailtamer.model.config import PRESETS
     from tailtamer.sft import SFTConfig, ensure_base_model, write_base_model
 
     given = {"steps": args.steps, "habit_steps": args.habit_steps, "seed": args.seed, "preset": args.preset}
@@ -120,8 +123,6 @@ def cmd_sft(args) -> None:
         at_least_one(args.steps, "--steps")
     if args.habit_steps is not None and args.habit_steps < 0:
         raise TailtamerError(f"--habit-steps must be >= 0, got {args.habit_steps}")
-    if args.preset is not None and args.preset not in PRESETS:
-        raise TailtamerError(f"--preset {args.preset}: unknown; choose one of {', '.join(sorted(PRESETS))}")
     cfg = replace(SFTConfig(), **{k: v for k, v in given.items() if v is not None})
     if args.out:
         fresh_output_dir(args.out, "--out")
@@ -286,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="GRPO-family RL; no arguments = the built-in default job")
     tr.add_argument("items", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
     tr.add_argument("--resume", help="continue the run in this directory from its last checkpoint")
-    tr.add_argument("--help-config", nargs="?", const="text", choices=["text", "markdown"],
+    tr.add_argument("--help-config", nargs="?", const="text", metavar="{text,markdown}",
                     help="list every config field with its default and help (markdown: docs/config.md)")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override, as `bench train --set` takes them (one per --set; the same as KEY=VALUE)")
@@ -351,11 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--habit-steps", type=int, help="then steps where the teacher often answers directly "
                                                     f"(default {SFTConfig().habit_steps}; 0 = no habit for RL to unlearn)")
     s.add_argument("--seed", type=seed)
-    s.add_argument("--preset", type=nonempty, help=f"model size (default {SFTConfig().preset}; see init-model)")
+    s.add_argument("--preset", type=preset, help=f"model size (default {SFTConfig().preset}; see init-model)")
     s.set_defaults(func=cmd_sft)
 
     i = sub.add_parser("init-model", help="write a randomly initialised model of a preset size")
-    i.add_argument("--preset", required=True)
+    i.add_argument("--preset", type=preset, required=True)
     i.add_argument("--out", required=True)
     i.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
     i.add_argument("--tokenizer", type=nonempty, help="directory with tokenizer.json (default: the built-in character tokenizer)")
@@ -381,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode, sd, rollout, train or profile")
     b.add_argument("--model", type=nonempty, help="model directory (default: the built-in base model)")
     b.add_argument("--drafter", type=nonempty, help="sd, rollout, profile: the EAGLE drafter of --model (needed with it)")
-    b.add_argument("--preset", type=nonempty, help="benchmark a random model of this preset size instead")
+    b.add_argument("--preset", type=preset, help="benchmark a random model of this preset size instead")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians)")
     b.add_argument("--new-tokens", type=int, help="decode: tokens per sequence (default 64)")
     b.add_argument("--group", type=int, help="sd: siblings per problem of the grouped workload, as GRPO samples "
@@ -433,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_stops_at_once():
             _run(args)
+        sys.stdout.flush()  # a closed pipe is said here, not at the interpreter's exit
     except Interrupted as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every worker stops alike: one says so
             print(e, file=sys.stderr)  # "stopped by ... after step N; ..."
@@ -444,4 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     except TailtamerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `| head` closed stdout: what was asked for was read; no traceback at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as the shell reports a process that SIGPIPE ended
     return 0

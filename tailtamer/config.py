@@ -175,7 +175,7 @@ class RLConfig:
     policy_loss: str = f("ppo-clip", f"policy loss: {', '.join(POLICY_LOSSES)} (gspo: sequence-level ratio; "
                                       "use clip bounds ~3e-4/4e-4 and loss_agg=seq-mean-token-mean as in the paper)")
     loss_agg: str = f("token-mean", f"loss aggregation: {', '.join(AGGREGATIONS)}")
-    lr: float = f(1e-4, "AdamW learning rate (peak, after warm-up); higher degrades the base model (README)")
+    lr: float = f(1e-4, "AdamW learning rate (peak, after warm-up)")
     lr_schedule: str = f("constant", f"after warm-up: {', '.join(LR_SCHEDULES)} (over run.steps)")
     min_lr_ratio: float = f(0.0, "linear / cosine: the final learning rate as a fraction of rl.lr")
     warmup: int = f(3, "linear warm-up steps (RL steps)")

@@ -86,6 +86,10 @@ def cmd_generate(args) -> None:
     device = resolve_device(args.device)
     if vllm:  # before anything loads or starts
         check_params(params, spec.mode != "off", device.type)
+    if spec.drafter == "builtin":
+        raise ConfigError("--drafter builtin is train's (the built-in base model's warm-up drafter); generate takes "
+                          "a drafter directory: train caches that one beside the base model, as "
+                          "<model directory>-drafter-<hash>")
     if spec.eagle:  # before the model loads: a missing drafter said by its flag
         check_drafter_dir(spec.drafter, f"--drafter {spec.drafter}")
     inputs = {"--prompts": args.prompts, "--model": args.model, **({"--drafter": spec.drafter} if spec.eagle else {})}

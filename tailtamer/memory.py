@@ -286,7 +286,7 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
     est["rollout_activations"] = rollout = max(phases.values())
     persistent = sum(est[k] for k in PERSISTENT)
     est["total"] = persistent + max(rollout, est["update_weights"] + est["activations"] + est["logits"])
-    est.update(phases, slots=slots, cache_len=cache_len, tokens=tokens, shard_world=N,
+    est.update(phases, slots=slots, cache_len=cache_len, seq_len=seq_len, tokens=tokens, shard_world=N,
                grad_checkpointing=int(grad_checkpointing), weight_bytes=b, compute_bytes=c)
     return est
 
@@ -418,7 +418,11 @@ def format_estimate(est: dict, available: int | None = None) -> str:
 def _advice(est: dict, piece: str) -> str:
     bf16 = est["compute_bytes"] >= 4  # run.dtype=bfloat16 would shrink activations and the reference
     if piece == "kv_cache":
-        return "lower rollout.max_batch_size (cache slots) or rollout.max_new_tokens (or data.max_prompt_tokens)"
+        ahead = est["cache_len"] - est["seq_len"]  # rows an SD verify holds past a request's end
+        arms = (f"; most of each slot's rows are the {ahead:,} tokens a verify holds past a request's end: lower "
+                f"the arms' tokens to verify (spec.strategy, spec.strategies)") if ahead > est["seq_len"] else ""
+        return ("lower rollout.max_batch_size (cache slots) or rollout.max_new_tokens (or data.max_prompt_tokens)"
+                + arms)
     if piece == "activations":
         options = ["lower rl.micro_batch_tokens"] + ([] if est["grad_checkpointing"] else
                                                     ["set rl.grad_checkpointing=true"]) + (

@@ -1,6 +1,7 @@
 """The `tailtamer` command line, end to end on a tiny random model."""
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -128,11 +129,6 @@ def test_init_model_and_task_feed_generate(tmp_path):
     assert main(["generate", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
                  "--max-new-tokens", "4"]) == 0
     assert len(out.read_text().splitlines()) == 5
-
-
-def test_unknown_preset(tmp_path, capsys):
-    assert main(["init-model", "--preset", "huge", "--out", str(tmp_path)]) == 2
-    assert "unknown model preset 'huge'" in capsys.readouterr().err
 
 
 def test_python_dash_m_entry_point():
@@ -367,7 +363,6 @@ def test_bad_generate_arguments_are_one_line_errors(model_dir, tmp_path, capsys,
     (["bench", "sd", "--group", "65"], "--group 65: at most 64, bench sd's largest batch"),
     (["bench", "sd", "--model", "{tmp}/full", "--drafter", "{tmp}/nope"], "--drafter {tmp}/nope: drafter directory not found"),
     (["sft", "--habit-steps", "-1"], "--habit-steps must be >= 0, got -1"),
-    (["sft", "--preset", "bogus"], "--preset bogus: unknown; choose one of "),
     (["init-model", "--preset", "tiny", "--out", "{tmp}/file/m"], "--out {tmp}/file/m: a parent of it is a file"),
     (["bench", "train", "--group", "8"], "--group is for bench sd, not bench train"),
     (["bench", "rollout", "--arms", "adaptive", "fast"],
@@ -381,6 +376,7 @@ def test_bad_generate_arguments_are_one_line_errors(model_dir, tmp_path, capsys,
     (["train", "--set", "rollout.group_size=1"], "rollout.group_size must be >= 2, got 1"),
     (["train", "--help-config", "--set", "run.steps=2"], "--help-config lists the config fields and runs nothing"),
     (["train", "run.steps=2", "--help-config"], "--help-config lists the config fields and runs nothing"),
+    (["train", "--help-config", "run.steps=2"], "--help-config takes text or markdown, got 'run.steps=2'; it lists"),
     (["bench", "rollout", "--arms", "plain", "--drafter", "{tmp}/nope"],
      "--drafter: bench rollout --arms plain drafts nothing"),
     (["bench", "profile", "--model", "{tmp}/full", "--drafter", "{tmp}/full", "--steps", "3"],
@@ -399,6 +395,15 @@ def test_bad_arguments_of_other_commands(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and message.format(tmp=tmp_path) in err, err
     assert (tmp_path / "file").read_text() == "precious" and (tmp_path / "full" / "config.json").read_text() == "{}"
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path):
+    """`tailtamer train --help-config | head -c0`: the reader is gone before the listing is
+    written; the command ends as a process ended by SIGPIPE, with nothing on stderr."""
+    reader_gone = subprocess.run(f"{shlex.quote(sys.executable)} -m tailtamer train --help-config | head -c0; "
+                                 f"exit ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash", capture_output=True,
+                                 text=True, timeout=120)
+    assert reader_gone.returncode == 141 and reader_gone.stderr == "", reader_gone
 
 
 def test_an_interrupted_init_model_leaves_nothing_to_trip_on(tmp_path, monkeypatch):
@@ -422,9 +427,9 @@ def test_an_interrupted_init_model_leaves_nothing_to_trip_on(tmp_path, monkeypat
 def test_a_failed_command_leaves_no_empty_directories_it_created(tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("kept")
-    for out in (tmp_path / "new" / "deep" / "model", tmp_path / "mine" / "model"):
-        assert main(["init-model", "--preset", "huge", "--out", str(out)]) == 2
-    assert "unknown model preset 'huge'" in capsys.readouterr().err
+    for out in (tmp_path / "new" / "deep" / "model", tmp_path / "mine" / "model"):  # no tokenizer.json in mine
+        assert main(["init-model", "--preset", "tiny", "--out", str(out), "--tokenizer", str(tmp_path / "mine")]) == 2
+    assert "tokenizer.json not found" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
@@ -513,4 +518,17 @@ def test_an_empty_path_or_name_is_refused(args, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
     assert f"argument {flag[:-1]}: empty; give a value" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args", [["sft", "--preset", "huge"], ["init-model", "--preset", "huge", "--out", "o"],
+                                  ["bench", "decode", "--preset", "huge"]])
+def test_an_unknown_preset_is_named_with_the_presets(args, tmp_path, capsys, monkeypatch):
+    """init-model's and bench's --preset said only 'unknown model preset', as a config error."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "argument --preset: 'huge': unknown; choose one of base, base-vllm, " in err, err
     assert not any(tmp_path.iterdir())

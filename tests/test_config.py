@@ -41,7 +41,7 @@ def test_yaml_1_2_scalars():
     (["rl.kl_estimator=k4"], "rl.kl_estimator 'k4' is unknown"),
     (["=1"], "override '=1' has no field name before '='"),
     (["spec.strategies=[]"], "spec.strategies is empty"),
-    (["spec.strategies=[4_2_8, 4_2_8]"], "spec.strategies names ['4_2_8'] twice"),
+    (["spec.strategies=[4_2_8, 4_2_8]"], "spec.strategies names 4_2_8 more than once"),
     (["spec.bucket_thresholds=[-1]"], "spec.bucket_thresholds must start at 1 and increase strictly, got [-1]"),
     (["rl.kl_estimator=k1", "rl.kl_coef=-0.1"], "rl.kl_coef must be >= 0"),
     (["rl.loss_agg=sum"], "rl.loss_agg 'sum' is unknown"),

@@ -485,11 +485,13 @@ def test_a_worker_that_fails_at_start_up_is_one_line_and_nothing_else(tmp_path):
     import subprocess
     import sys
 
-    missing = tmp_path / "no-model"
-    result = subprocess.run([sys.executable, "-m", "tailtamer", "train", f"run.model={missing}", "spec.mode=off",
+    broken = tmp_path / "empty-model"  # a directory, so found only when a worker loads it
+    broken.mkdir()
+    result = subprocess.run([sys.executable, "-m", "tailtamer", "train", f"run.model={broken}", "spec.mode=off",
                              "run.steps=1", "run.workers=2", f"run.out_dir={tmp_path / 'runs'}"],
                             capture_output=True, text=True, timeout=120,
                             env={k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"})
     assert result.returncode == 2, result.stderr
-    assert re.fullmatch(rf"error: worker [01]: {re.escape(str(missing))}: model directory not found\n", result.stderr), \
+    assert re.fullmatch(rf"error: worker [01]: {re.escape(str(broken / 'tokenizer.json'))}: tokenizer.json not found\n",
+                        result.stderr), \
         result.stderr

@@ -445,6 +445,10 @@ def test_check_fits_names_the_setting_that_shrinks_the_largest_piece():
     assert "rollout.max_batch_size" in message and "KV cache" in message and "4,096 slots x 1,024 tokens" in message
     check_fits(kv, int(kv["total"] / 0.89), "cuda:0")  # fits with the margin
     check_fits(kv, None, "cuda:0")  # unknown: no check
+    assert "spec.strategies" not in message
+    wide = _estimate(cfg, slots=4096, cache_len=1024, seq_len=200)  # 824 rows a slot for the verify
+    message = _refusal(wide, wide["total"])
+    assert "the 824 tokens a verify holds past a request's end" in message and "spec.strategies" in message
 
     layers = tiny_config(vocab_size=100, num_hidden_layers=16)
     acts = _estimate(layers, micro_batch_tokens=1 << 16)

@@ -219,10 +219,11 @@ def test_a_chain_accepts_what_the_tree_walk_accepts():
 
 @pytest.mark.parametrize("text,message", [("4_2", "DEPTH_TOPK_VERIFY"), ("a_b_c", "DEPTH_TOPK_VERIFY"),
                                           ("0_1_2", "depth >= 1"), ("4_1_1", "verify >= 2"),
-                                          ("2_1_9", "yields only 2 candidates"),
+                                          ("2_1_9", "a chain \\(top-k 1\\) verifies its 2 drafts and the pending token; write 2_1_3"),
                                           ("8_1_3", "verifies its 8 drafts and the pending token; write 8_1_9, or "
                                                     "2_1_3 for 2 drafts"),
-                                          ("65_2_8", "depth at most 64")])
+                                          ("65_2_8", "depth at most 64"),
+                                          ("64_64_258113", "at most 1024 tokens to verify a request, got 258113")])
 def test_bad_strategies(text, message):
     with pytest.raises(ConfigError, match=message):
         Strategy.parse(text)

@@ -205,10 +205,20 @@ def test_suffix_strategies_parse_and_name_themselves(text, fields):
                                           ("s4_2_8+s3", "s4_2_8 is the suffix drafter's arm already$"),
                                           ("4_1_5+s99", "adds 1 to 64"), ("x4_1_5", "not DEPTH_TOPK_VERIFY"),
                                           ("4_1_5@0.3+s0", "write 4_1_5@0.3 for the EAGLE tree alone"),
-                                          ("s4_1_5+s0", "s4_1_5 is the suffix drafter's arm already$")])
+                                          ("s4_1_5+s0", "s4_1_5 is the suffix drafter's arm already$"),
+                                          ("s4_2_32", "31 draft tokens requested but a suffix tree of depth 4 and "
+                                                      "top-k 2 holds at most 30 candidates"),
+                                          ("s4_2_100000", "at most 1024 tokens to verify a request, got 100000")])
 def test_bad_suffix_strategies(text, message):
     with pytest.raises(ConfigError, match=message):
         Strategy.parse(text)
+
+
+def test_a_suffix_arm_may_verify_every_draft_its_trie_holds_and_no_more():
+    """Unchecked, s4_2_100000 ran 26x slower than s8_2_9 with the same output: its budget went
+    into every request's cache rows."""
+    assert Strategy.parse("s4_2_31").verify == 31  # 2 + 4 + 8 + 16 drafts and the pending token
+    assert Strategy.parse("s3_1_4").verify == 4
 
 
 def test_the_speculator_pays_for_the_index_only_where_an_arm_uses_it(target, tmp_path):

@@ -1,5 +1,6 @@
 """What the command line says about its own usage: unknown arguments named with the command
-they were given to, `--version`, and where `--resume` was pointed into a run."""
+they were given to, `--version`, where `--resume` was pointed into a run, and the files
+`train` reads named by their fields."""
 
 import pytest
 
@@ -70,3 +71,31 @@ def test_resume_of_a_directory_beside_a_config_file_is_not_a_run(tmp_path, capsy
     assert main(["train", "--resume", "runs/broken"]) == 2
     assert capsys.readouterr().err == ("error: --resume runs/broken: not a run directory (it has no config.yaml); "
                                        "give a run's directory, e.g. runs/default\n")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("spec.drafter={tmp}/nope", "spec.drafter {tmp}/nope: drafter directory not found"),
+    ("spec.drafter={tmp}/model", "spec.drafter {tmp}/model: config.json: architecture 'Qwen2ForCausalLM' is not an "
+                                 "EAGLE drafter; expected one of"),
+    ("spec.drafter={tmp}/wide", "spec.drafter {tmp}/wide does not fit the target model: hidden_size: drafter 128 vs "
+                                "target 64"),
+    ("run.model={tmp}/nope", "run.model {tmp}/nope: model directory not found"),
+    ("data.train={tmp}/nope.jsonl", "data.train {tmp}/nope.jsonl: file not found"),
+    ("data.eval={tmp}", "data.eval {tmp}: is a directory"),
+    ("rl.reward=[math,{tmp}/nope.py:f]", "rl.reward: {tmp}/nope.py not found"),
+])
+def test_a_missing_input_of_train_is_named_by_its_field_before_any_worker_starts(model_dir, tmp_path, capsys,
+                                                                                 override, message):
+    """Found by a worker, these were 'worker 0: /path: ...' (the field unnamed), after the
+    launcher's set-up; the data files named only the file."""
+    from tailtamer.model.drafter import init_drafter, save_drafter
+    from conftest import random_model, tiny_config
+
+    save_drafter(init_drafter(random_model(tiny_config(hidden_size=128))), tmp_path / "wide")  # another target's
+    model = [] if override.startswith("run.model") else [f"run.model={model_dir}"]
+    drafter = [] if override.startswith("spec.drafter") else ["spec.drafter=suffix"]
+    code = main(["train", f"run.out_dir={tmp_path / 'runs'}", *model, *drafter, override.format(tmp=tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert message.format(tmp=tmp_path) in err, err
+    assert not (tmp_path / "runs").exists()

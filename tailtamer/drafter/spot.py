@@ -32,7 +32,7 @@ class SpotConfig:
     train: bool = f(True, "train the EAGLE drafter online (needs spec.drafter = an EAGLE drafter directory)")
     single_worker: str = f("never", "with one worker: never, or window (train for window_s after each update, "
                                     "which lengthens every step: one worker has no idle time)")
-    window_s: float = f(2.0, "single worker: seconds of drafter training after each rollout")
+    window_s: float = f(2.0, "single worker, window: seconds of drafter training after each update")
     max_steps: int = f(200, "drafter steps per RL step at most")
     lr: float = f(5e-4, "AdamW learning rate of the drafter")
     tokens_per_step: int = f(256, "packed tokens per drafter step (a step is the preemption latency: ~10 ms on "

@@ -162,27 +162,44 @@ def save_drafter(drafter: Drafter, out_dir: str | Path) -> None:
     write_drafter(drafter_tensors(drafter), drafter.config, out_dir)
 
 
-def check_drafter_dir(drafter_dir: str | Path, name: str | None = None) -> None:
-    """A drafter is a directory: a CheckpointError naming it (`name`: as the user gave it, e.g.
-    by its flag) when it is a file or missing."""
+def check_drafter_dir(drafter_dir: str | Path, name: str | None = None) -> tuple[dict, str]:
+    """A drafter is a directory whose config.json names an EAGLE architecture: its config and
+    that architecture, or a CheckpointError naming it (`name`: as the user gave it, e.g. by its
+    flag or field)."""
     if not Path(drafter_dir).is_dir():
         raise CheckpointError(f"{name or drafter_dir}: " + ("a file; a drafter is a directory"
                                                             if Path(drafter_dir).exists() else "drafter directory not found"))
+    path = Path(drafter_dir) / "config.json"
+    if name and not path.is_file():
+        raise CheckpointError(f"{name}: no config.json, so not a drafter directory")
+    try:
+        raw = read_json(path, "config.json")
+    except CheckpointError as e:  # malformed
+        raise CheckpointError(f"{name}: {e}" if name else str(e)) from None
+    arch = (raw.get("architectures") or [None])[0] if isinstance(raw, dict) else None
+    if arch not in EAGLE_ARCHITECTURES.values():
+        model = "; it is a model (a drafter goes with its target model)" if (path.parent / "tokenizer.json").is_file() \
+            else ""
+        raise CheckpointError(f"{f'{name}: config.json' if name else path}: architecture {arch!r} is not an EAGLE "
+                              f"drafter; expected one of {sorted(set(EAGLE_ARCHITECTURES.values()))}{model}")
+    return raw, arch
+
+
+def drafter_config(drafter_dir: str | Path, target_cfg: ModelConfig, name: str | None = None) -> ModelConfig:
+    """The config of the drafter in `drafter_dir`, checked to be one layer that fits a target
+    of `target_cfg` (`name`: as `check_drafter_dir`)."""
+    raw, arch = check_drafter_dir(drafter_dir, name)
+    path = Path(drafter_dir) / "config.json"
+    cfg = ModelConfig.from_hf({**raw, "architectures": [arch.removesuffix("Eagle")]}, source=str(path))
+    if cfg.num_hidden_layers != 1:
+        raise CheckpointError(f"{path}: an EAGLE drafter has num_hidden_layers 1, got {cfg.num_hidden_layers}")
+    check_fits(cfg, target_cfg, name or f"drafter {drafter_dir}")
+    return cfg
 
 
 def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
     drafter_dir = Path(drafter_dir)
-    check_drafter_dir(drafter_dir)
-    path = drafter_dir / "config.json"
-    raw = read_json(path, "config.json")
-    arch = (raw.get("architectures") or [None])[0]
-    if arch not in EAGLE_ARCHITECTURES.values():
-        raise CheckpointError(f"{path}: architecture {arch!r} is not an EAGLE drafter; "
-                              f"expected one of {sorted(set(EAGLE_ARCHITECTURES.values()))}")
-    cfg = ModelConfig.from_hf({**raw, "architectures": [arch.removesuffix("Eagle")]}, source=str(path))
-    if cfg.num_hidden_layers != 1:
-        raise CheckpointError(f"{path}: an EAGLE drafter has num_hidden_layers 1, got {cfg.num_hidden_layers}")
-    check_fits(cfg, target.config, f"drafter {drafter_dir}")
+    drafter_config(drafter_dir, target.config)
     # Checkpoints from other tools may carry a copy of the embedding or head: the target's wins.
     tensors = {k: v for k, v in read_safetensors(drafter_dir).items() if not k.startswith(SHARED_PREFIXES)}
     drafter = Drafter(target, fc_bias="fc.bias" in tensors)

@@ -46,18 +46,25 @@ def math_reward(response: str, answer: str) -> float:
     return float(bool(verify(gold, parse(candidate))))
 
 
-def load_user_reward(spec: str) -> Callable[[str, str], float]:
-    """`package.module:function` or `path/to/file.py:function`."""
+def user_reward_target(spec: str) -> tuple[str, str]:
+    """(module or file, function) of `package.module:function` or `path/to/file.py:function`;
+    a file that is not there is said here (the launcher checks before any worker starts)."""
     if ":" not in spec:
         raise ConfigError(f"rl.reward {spec!r}: expected auto, builtin, math, module:function or file.py:function")
     target, name = spec.rsplit(":", 1)
     if not name:
         raise ConfigError(f"rl.reward {spec!r}: no function name after ':' (module:function or file.py:function)")
+    if target.endswith(".py") and not Path(target).is_file():
+        raise ConfigError(f"rl.reward: {target} not found")
+    return target, name
+
+
+def load_user_reward(spec: str) -> Callable[[str, str], float]:
+    """`package.module:function` or `path/to/file.py:function`."""
+    target, name = user_reward_target(spec)
     try:
         if target.endswith(".py"):
             path = Path(target)
-            if not path.is_file():
-                raise ConfigError(f"rl.reward: {path} not found")
             # the file's own directory, so that it imports its neighbours as `python file.py` would
             folder = str(path.resolve().parent)
             if folder not in sys.path:  # after the installed modules, which a neighbour must not shadow

@@ -15,17 +15,19 @@ from tailtamer.config import TrainConfig
 from tailtamer.device import device_memory, resolve_device, train_device, train_dtype
 from tailtamer.dist import Workers
 from tailtamer.drafter.adaptive import AdaptiveDrafter, NoDrafter
-from tailtamer.errors import CheckpointError, ConfigError
+from tailtamer.errors import CheckpointError, ConfigError, DataError
+from tailtamer.jsonl import check_file
 from tailtamer.memory import available_memory, check_fits, estimate_for, format_estimate
 from tailtamer.metrics import check_loggers
-from tailtamer.model.drafter import load_drafter
+from tailtamer.model.dirs import check_model_dir
+from tailtamer.model.drafter import check_drafter_dir, drafter_config, load_drafter
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.rl.checkpoint import checkpoint_step, earlier_checkpoint_hint, latest_checkpoint, load_checkpoint
 from tailtamer.rl.data import (PromptOrder, check_builtin_fits, context_cut, datasets, held_out_count, read_rows,
                                unread_data)
 from tailtamer.rl.optim import make_optimizer
-from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes
+from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes, user_reward_target
 from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG, VLLM_LOG, check_run_files
 from tailtamer.rl.sharding import SHARDINGS, Replicated
 from tailtamer.rollout.backend import EmbeddedBackend
@@ -92,7 +94,36 @@ def check_startable(cfg: TrainConfig, resume: Path | None, world: int) -> None:
         if done >= cfg.run.steps:
             raise ConfigError(f"--resume {resume}: the run is at step {done} and run.steps is {cfg.run.steps}, so "
                               f"there is nothing to train; give run.steps={done + 1} or more to go on")
+    check_inputs(cfg)
     check_builtin_fits(cfg, machine_share(available_memory("cpu"), world))
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """The model, drafter, data and reward files a run reads are there, each named by its
+    field, before anything loads (a worker would find them only after the launcher's set-up)."""
+    drafter = cfg.spec.drafter
+    eagle = cfg.spec.eagle and drafter != "builtin"
+    if cfg.run.model is not None:
+        try:
+            check_model_dir(Path(cfg.run.model))
+            target = load_config(cfg.run.model) if eagle else None
+        except CheckpointError as e:
+            raise ConfigError(f"run.model {e}") from None
+    if eagle:
+        if cfg.run.model is None:  # the built-in base model: its config is known once it is trained
+            check_drafter_dir(drafter, f"spec.drafter {drafter}")
+        else:
+            drafter_config(drafter, target, f"spec.drafter {drafter}")
+    for name in ("train", "eval"):
+        path = getattr(cfg.data, name)
+        if path not in (None, "builtin"):
+            try:
+                check_file(Path(path))
+            except DataError as e:
+                raise DataError(f"data.{name} {e}") from None
+    for spec in cfg.rl.reward:
+        if isinstance(spec, str) and spec not in ("auto", *BUILTIN_REWARDS):
+            user_reward_target(spec)
 
 
 def prepare(cfg: TrainConfig, log=print) -> TrainConfig:

@@ -40,6 +40,10 @@ LOSSY_RULES = ("typical", "threshold", "relaxed", "greedy_under_sampling", "leni
 # Deeper drafts would need positions past the rotary table's headroom (model/transformer.py)
 # and are never accepted anyway: EAGLE-2 and EAGLE-3 draft 5 to 8 levels.
 MAX_DEPTH = 64
+# A verify of N tokens a request costs N target tokens and an N x N tree mask: EAGLE-2
+# verifies ~60, Sequoia's largest trees 768; a budget past this is a typo, which would only
+# fail allocating.
+MAX_VERIFY = 1024
 
 
 @dataclass(frozen=True)
@@ -74,14 +78,20 @@ class Strategy:
             raise ConfigError(f"strategy {self.name}: need depth >= 1, topk >= 1 and tokens to verify >= 2")
         if self.depth > MAX_DEPTH:
             raise ConfigError(f"strategy {self.name}: depth at most {MAX_DEPTH} (drafts that deep are never accepted)")
-        if not self.model_free and self.verify - 1 > self.candidates:
-            raise ConfigError(f"strategy {self.name}: {self.verify - 1} draft tokens requested but depth "
-                              f"{self.depth} x top-k {self.topk} yields only {self.candidates} candidates")
+        if self.verify > MAX_VERIFY:
+            raise ConfigError(f"strategy {self.name}: at most {MAX_VERIFY} tokens to verify a request, got "
+                              f"{self.verify}")
         if self.topk == 1 and self.verify != self.depth + 1:  # a chain drafts its depth, all verified
             s = "s" if self.model_free else ""
+            longer = f", or {s}{self.verify - 1}_1_{self.verify} for {self.verify - 1} drafts" \
+                if self.verify - 1 <= MAX_DEPTH else ""
             raise ConfigError(f"strategy {self.name}: a chain (top-k 1) verifies its {self.depth} drafts and the "
-                              f"pending token; write {s}{self.depth}_1_{self.depth + 1}, or {s}{self.verify - 1}_1_"
-                              f"{self.verify} for {self.verify - 1} drafts")
+                              f"pending token; write {s}{self.depth}_1_{self.depth + 1}{longer}")
+        if self.verify - 1 > self.candidates:
+            tree = (f"a suffix tree of depth {self.depth} and top-k {self.topk} holds at most" if self.model_free
+                    else f"depth {self.depth} x top-k {self.topk} yields only")
+            raise ConfigError(f"strategy {self.name}: {self.verify - 1} draft tokens requested but {tree} "
+                              f"{self.candidates} candidates")
         if not 0 <= self.confidence < 1:
             raise ConfigError(f"strategy {self.name}: the confidence after @ must be in (0, 1), a path probability")
         if self.suffix < 0 or self.suffix > MAX_DEPTH or (self.suffix and self.model_free):
@@ -89,6 +99,11 @@ class Strategy:
 
     @property
     def candidates(self) -> int:
+        """The most drafts a tree of this depth and top-k can offer: EAGLE's K at the first level
+        and K² at each further one (the top K children of the K best nodes); the suffix index's
+        trie K + K² + ... + K^D."""
+        if self.model_free:
+            return sum(min(self.topk ** d, MAX_VERIFY) for d in range(1, self.depth + 1))
         return self.topk + (self.depth - 1) * self.topk ** 2
 
     @property

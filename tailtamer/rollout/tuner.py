@@ -168,7 +168,8 @@ class BEGTuner:
             raise ConfigError("spec.strategies is empty: give the bandit at least one strategy")
         names = [s.name for s in self.strategies]
         if len(set(names)) < len(names):
-            raise ConfigError(f"spec.strategies names {sorted({n for n in names if names.count(n) > 1})} twice")
+            repeated = ", ".join(sorted({n for n in names if names.count(n) > 1}))
+            raise ConfigError(f"spec.strategies names {repeated} more than once")
         self.groups = group_by_verify(self.strategies)
         validate_buckets(self.groups, self.thresholds)
         if not 0 <= self.epsilon <= 1:
