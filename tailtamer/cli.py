@@ -18,7 +18,7 @@ from tailtamer.errors import DataError, TailtamerError
 from tailtamer.generate import cmd_generate
 from tailtamer.outputs import CREATED, fresh_output_dir, output_file
 from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig
-from tailtamer.stopping import Interrupted, Terminated, sigterm_stops_at_once
+from tailtamer.stopping import CLOSED_PIPE, Interrupted, Terminated, sigterm_stops_at_once, stdout_closed
 
 # Which benchmarks each `bench` flag is for
 BENCH_FLAGS = {"--model": ("decode", "sd", "rollout", "profile"), "--preset": ("decode",),
@@ -29,7 +29,7 @@ def cmd_train(args) -> None:
     from tailtamer.outputs import run_holding
     from tailtamer.rl.trainer import launch
 
-    if args.help_config:
+    if args.help_config is not None:  # `--help-config=` too
         # its optional value takes the next argument, so an override after it arrives here
         alone = "lists the config fields and runs nothing; give it alone"
         if args.help_config not in ("text", "markdown"):
@@ -434,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_stops_at_once():
             _run(args)
-        sys.stdout.flush()  # a closed pipe is said here, not at the interpreter's exit
+        if sys.stdout is not None:  # None when started with stdout closed
+            sys.stdout.flush()  # a closed pipe is said here, not at the interpreter's exit
     except Interrupted as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every worker stops alike: one says so
             print(e, file=sys.stderr)  # "stopped by ... after step N; ..."
@@ -446,7 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     except TailtamerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `| head` closed stdout: what was asked for was read; no traceback at exit either
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:
+        if not stdout_closed():  # another pipe (a worker's, a reward process's): not the reader's choice
+            raise
+        if args.command == "train" and args.help_config is None:
+            print(f"stopped: {CLOSED_PIPE}", file=sys.stderr)
         return 141  # as the shell reports a process that SIGPIPE ended
     return 0
+

@@ -21,8 +21,8 @@ import yaml
 from tailtamer.config_fields import absolute_paths, at_least, at_most, f, positive, same_as
 from tailtamer.device import TRAIN_DTYPES
 from tailtamer.drafter.spot import SpotConfig
-from tailtamer.errors import CheckpointError, ConfigError
-from tailtamer.model.dirs import check_model_dir
+from tailtamer.errors import ConfigError
+from tailtamer.model.dirs import check_run_model
 from tailtamer.rl.grpo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tailtamer.rl.optim import LR_SCHEDULES
 from tailtamer.rl.sharding import SHARDINGS
@@ -284,10 +284,7 @@ class TrainConfig:
                               f"({self.rollout.prompts_per_step * self.rollout.group_size})")
         if self.spec.drafter == "builtin" and self.run.model is not None and self.spec.mode != "off":
             model = Path(self.run.model)
-            try:  # a broken model directory is the mistake to name first, not the drafter
-                check_model_dir(model)
-            except CheckpointError as e:
-                raise ConfigError(f"run.model {e}") from None
+            check_run_model(model)  # a broken model directory is the mistake to name first, not the drafter
             missing = [name for name in ("config.json", "tokenizer.json") if not (model / name).is_file()]
             if missing:
                 raise ConfigError(f"run.model {model}: no {' or '.join(missing)}, so not a model directory")

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from tailtamer.device import collective_backend
 from tailtamer.errors import ConfigError, TailtamerError
-from tailtamer.stopping import Interrupted, StopRequest, exit_with_parent
+from tailtamer.stopping import CLOSED_PIPE, Interrupted, StopRequest, exit_with_parent, stdout_closed
 
 STATES = ("BUSY", "TRAINING", "IDLE", "DONE")
 
@@ -286,7 +286,8 @@ def _spawned(rank: int, world: int, port: int, launcher: int, entry: Callable, a
     except KeyboardInterrupt:  # a second Ctrl-C: the launcher stops everyone and says so
         os._exit(130)
     except BaseException as e:  # one line for the launcher, in the order the workers failed
-        results.put(("error", rank, str(e) if isinstance(e, TailtamerError) else f"{type(e).__name__}: {e}"))
+        results.put(("error", rank, str(e) if isinstance(e, TailtamerError) else CLOSED_PIPE
+                     if isinstance(e, BrokenPipeError) and stdout_closed() else f"{type(e).__name__}: {e}"))
         _exit(1)
     if rank == 0 and value is not None:
         results.put(("ok", rank, value))  # written to the pipe before put returns

@@ -16,6 +16,16 @@ def check_file(path: Path) -> None:
                                        else "file not found"))
 
 
+def check_unicode(text: str, where: str, what: str) -> str:
+    """`text`, refused when it cannot be encoded: JSON's escapes can write an unpaired
+    surrogate, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(f"{where}: the {what} is not valid Unicode (an unpaired surrogate such as \\ud800)") from None
+    return text
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     path = Path(path)
     check_file(path)

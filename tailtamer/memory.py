@@ -87,8 +87,8 @@ fragmentation, the CUDA context (~0.5 GiB) and PyTorch's workspaces are not coun
 
 `estimate` returns the pieces above (PIECES), `total`, the three candidates for
 rollout_activations (`prefill`, `decode`, `drafter_training`) and, for messages, `slots`,
-`cache_len`, `tokens` (T), `shard_world`, `grad_checkpointing` (0/1), `weight_bytes` and
-`compute_bytes`.
+`cache_len`, `seq_len` (the widest sample: cache rows past it are a verify's), `tokens` (T),
+`shard_world`, `grad_checkpointing` (0/1), `weight_bytes` and `compute_bytes`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Stopping a run: the first Ctrl-C, or a SIGTERM (what SLURM, Kubernetes and `docker stop`
 send before they kill), finishes the step, saves a checkpoint and says how to resume; a second
 Ctrl-C stops at once (the last checkpoint stays valid: they are atomic). And child processes
-that stop with their parent."""
+that stop with their parent, and a command whose output's reader has gone (`| head`)."""
 
 from __future__ import annotations
 
 import os
+import select
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -17,6 +19,25 @@ from tailtamer.errors import TailtamerError
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 # What a StopRequest says when it first hears a stop (a benchmark waits for it in a run's log)
 STOPPING = "stopping after this step, with a checkpoint"
+
+
+# What a training says when the reader of its output has gone (its own process or a worker's)
+CLOSED_PIPE = "the reader of its output has ended (a closed pipe)"
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`| head` read what it wanted: the pipe
+    polls as an error), so a BrokenPipeError is the reader's doing, not another pipe's. If so
+    stdout is pointed at /dev/null, so that the interpreter's exit does not fail flushing it."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        closed = any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no stdout, or not a file
+        return False
+    if closed:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return closed
 
 
 class Interrupted(TailtamerError):

@@ -199,6 +199,10 @@ def test_drafter_train_bad_data(model_dir, tmp_path, capsys):
     data = _write(tmp_path / "d.jsonl", [json.dumps({"text": "ok"}), json.dumps({"prompt": 1})])
     assert main(["drafter", "train", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o")]) == 2
     assert "d.jsonl:2: need a string 'text'" in capsys.readouterr().err
+    data.write_text(json.dumps({"text": "ok"}) + "\n" + '{"prompt": "a", "response": "b\\ud800"}\n')  # JSON's escape
+    assert main(["drafter", "train", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o")]) == 2
+    assert "d.jsonl:2: the text is not valid Unicode (an unpaired surrogate" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_drafter_train_cuts_texts_to_the_targets_context(model_dir, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tailtamer.config import load_train_config
-from tailtamer.errors import CheckpointError, ConfigError
+from tailtamer.errors import CheckpointError, ConfigError, DataError
 from tailtamer.rl.trainer import TrainingError
 from test_run_safety import _train
 from test_trainer import _comparable, _rows
@@ -172,3 +172,35 @@ def test_a_resume_cannot_swap_the_drafter_its_checkpoints_keep(tmp_path):
                                           r"checkpoints"):
         resume_changes(run, to_dict(other))
     assert resume_changes(run, to_dict(cfg)) == {}
+
+
+def test_a_resumed_run_needs_spec_drafter_only_where_it_still_reads_it(tmp_path, model_dir):
+    """A resume goes on with the drafter its checkpoint keeps: the start-up check of
+    spec.drafter refused a run whose original drafter directory was gone, and spec.drafter
+    cannot change on resume, so the run could not go on at all."""
+    from tailtamer.rl.run_state import check_inputs
+
+    checkpoint = tmp_path / "r" / "checkpoints" / "step-000002"
+    (checkpoint / "drafter").mkdir(parents=True)
+    gone = tmp_path / "gone"
+    cfg = load_train_config(None, [f"run.out_dir={tmp_path}", f"run.model={model_dir}", f"spec.drafter={gone}",
+                                   "spot.compare_frozen=false"])
+    check_inputs(cfg, checkpoint, world=2)
+    with pytest.raises(CheckpointError, match=f"spec.drafter {gone}: drafter directory not found"):
+        check_inputs(cfg, None, world=2)  # a first run reads it
+    frozen = load_train_config(None, [f"run.out_dir={tmp_path}", f"run.model={model_dir}", f"spec.drafter={gone}",
+                                      "spot.compare_frozen=true"])
+    with pytest.raises(CheckpointError, match="drafter directory not found"):  # the frozen copy compared with
+        check_inputs(frozen, checkpoint, world=2)
+    check_inputs(frozen, checkpoint, world=1)  # one worker trains no drafter (spot.single_worker=never)
+
+
+def test_a_data_file_the_run_does_not_read_is_not_required(tmp_path, model_dir):
+    from tailtamer.rl.run_state import check_inputs
+
+    missing = tmp_path / "eval.jsonl"
+    check_inputs(load_train_config(None, [f"run.model={model_dir}", "spec.drafter=suffix", f"data.eval={missing}",
+                                          "run.eval_every=0"]))
+    with pytest.raises(DataError, match=f"data.eval {missing}: file not found"):
+        check_inputs(load_train_config(None, [f"run.model={model_dir}", "spec.drafter=suffix", f"data.eval={missing}",
+                                              "run.eval_every=5"]))

@@ -115,6 +115,11 @@ def test_the_trainers_updates_reach_the_engine_and_a_stale_copy_is_caught(model_
     ({}, {"min_p": 0.1}, "min_p=0.1 is not supported"),
     ({}, {"generation_kwargs": {"no_repeat_ngram_size": 3}}, "generation_kwargs \\['no_repeat_ngram_size'\\]"),
     ({"spec": "on", "drafter": "/no/such/drafter"}, {}, "drafter directory not found"),
+    # TRL merges these into its generation_kwargs, where its own generation reads them
+    ({}, {"generation_kwargs": {"min_p": 0.1}}, "min_p=0.1 is not supported"),
+    ({}, {"generation_kwargs": {"repetition_penalty": 1.3}}, "repetition_penalty=1.3 would change"),
+    ({}, {"generation_kwargs": {"temperature": "0.7"}}, "generation temperature='0.7': give a number"),
+    ({}, {"top_p": 0.0}, "generation top_p=0: give top_p in \\(0, 1\\], or generation_kwargs="),
 ])
 def test_bad_settings_are_one_line(model_dir, tmp_path, monkeypatch, kwargs, config, message):
     from tailtamer.errors import TailtamerError
@@ -146,6 +151,8 @@ def test_bad_settings_are_one_line(model_dir, tmp_path, monkeypatch, kwargs, con
     ({"spec": "off", "drafter": "/a/drafter"}, "drafter='/a/drafter' is not used with spec='off'"),
     ({"strategies": "s4_1_5"}, "strategies='s4_1_5': give a list of strategy names"),
     ({"strategy": 5}, "strategy=5: give one strategy's name"),
+    ({"strategies": 5}, "strategies=5: give a list of strategy names"),
+    ({"strategies": (s for s in ["s4_1_5"])}, "give a list of strategy names"),  # a generator, used up once read
 ])
 def test_bad_arguments_are_refused_at_construction_naming_them(kwargs, message):
     """Not at the first rollout inside trainer.train(), as a TypeError or a field the user never set."""
@@ -347,3 +354,65 @@ def test_chat_prompts_are_rendered_as_trl_renders_them(model_dir, tmp_path, monk
     out = rollout(rows, trainer)
     assert out["prompt_ids"] == [list(p) for p in theirs]
     assert len(set(map(tuple, out["prompt_ids"]))) == 2 and all(out["completion_ids"])
+
+
+def test_a_mixed_precision_trainer_rolls_out_with_the_probe_satisfied(model_dir, tmp_path, monkeypatch):
+    """GRPOConfig's default bf16 wraps the model's forward in autocast: the probe compared its
+    bfloat16 logits with the engine's float32 ones and called the policy stale on the first step."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = TLTRollout(spec="on", drafter="suffix", strategy="s4_2_5")
+    trainer, seen = _trainer(model_dir, tmp_path, rollout, bf16=True)
+    trainer.train()
+    assert rollout.calls == 2 and len(seen) == 2
+
+
+def test_trls_end_of_sequence_ids_are_the_ones_its_generation_kwargs_give(model_dir, tmp_path, monkeypatch):
+    """generation_kwargs={'eos_token_id': ...} stops TRL's own generation there; the engine
+    went on past it."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = TLTRollout(spec="off", drafter=None)
+    plain, _ = _trainer(model_dir, tmp_path, TLTRollout(spec="off", drafter=None))
+    stop = _rollout_once(plain, plain.rollout_func)[1]["completion_ids"][0][1]  # a token the first sample draws
+    trainer, _ = _trainer(model_dir, tmp_path, rollout, generation_kwargs={"eos_token_id": [stop]})
+    completions = _rollout_once(trainer, rollout)[1]["completion_ids"]
+    assert completions[0][-1] == stop and len(completions[0]) == 2
+    assert all(stop not in c[:-1] for c in completions)
+
+
+def test_a_rollout_serves_one_model_and_says_so_for_another(model_dir, tmp_path, monkeypatch):
+    from conftest import random_model, tiny_config
+    from tailtamer.model.io import save_model
+    from tailtamer.model.tokenizer import char_tokenizer
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    narrow = tmp_path / "narrow"
+    save_model(random_model(tiny_config(hidden_size=32)), narrow)
+    char_tokenizer().save(narrow)
+    rollout = TLTRollout(spec="off", drafter=None)
+    _rollout_once(_trainer(model_dir, tmp_path, rollout)[0], rollout)
+    with pytest.raises(ConfigError, match="the trainer's model is not the one its engine was built for"):
+        _rollout_once(_trainer(narrow, tmp_path, rollout)[0], rollout)
+
+
+def test_prompt_errors_name_trls_rows_and_a_context_cut_is_said_once(model_dir, tmp_path, monkeypatch, capsys):
+    from tailtamer.errors import DataError
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = TLTRollout(spec="off", drafter=None)
+    trainer, _ = _trainer(model_dir, tmp_path, rollout, max_completion_length=300)  # the model's context: 256
+    for _ in range(2):
+        _rollout_once(trainer, rollout)
+    err = capsys.readouterr().err
+    assert err.count("TLTRollout: max_completion_length 300, but the model's context is 256 tokens") == 1, err
+    rows = ["a"] * 4 + ["x" * 300] * 4
+    with pytest.raises(DataError, match="TLTRollout call 3, prompt rows 4-7: "):
+        rollout(rows, trainer)
+
+
+def test_end_of_sequence_ids_as_trl_gives_them():
+    """A tokenizer and model with no end-of-sequence token give TRL [None]: the engine took None
+    as a token id and failed preparing its first batch."""
+    from tailtamer.integrations.trl import end_of_sequence
+
+    assert end_of_sequence([None]) == end_of_sequence(None) == ()
+    assert end_of_sequence(7) == (7,) and end_of_sequence([3, None, 9]) == (3, 9)

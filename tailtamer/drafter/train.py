@@ -194,16 +194,17 @@ def encode_texts(tokenizer, texts: list[str], max_len: int) -> list[list[int]]:
 
 def read_texts(path: str | Path) -> list[str]:
     """JSONL rows with `text`, or `prompt` + `response` (or the built-in task's `trace`)."""
-    from tailtamer.jsonl import read_jsonl
+    from tailtamer.jsonl import check_unicode, read_jsonl
 
     texts = []
     for row in read_jsonl(path):
         if isinstance(row.get("text"), str):
-            texts.append(row["text"])
+            text = row["text"]
         elif isinstance(row.get("prompt"), str) and isinstance(row.get("response", row.get("trace")), str):
-            texts.append(row["prompt"] + row.get("response", row.get("trace")))
+            text = row["prompt"] + row.get("response", row.get("trace"))
         else:
             raise DataError(f"{path}:{row['_row']}: need a string 'text', or 'prompt' and 'response'")
+        texts.append(check_unicode(text, f"{path}:{row['_row']}", "text"))
     return texts
 
 

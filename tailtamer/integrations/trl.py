@@ -36,6 +36,7 @@ import atexit
 import inspect
 import numbers
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -51,6 +52,7 @@ from tailtamer.model.config import ARCHITECTURES, ModelConfig
 from tailtamer.model.drafter import load_drafter, weights_checksum
 from tailtamer.model.io import from_hf_key, model_from_hf_state, save_model
 from tailtamer.model.transformer import join_fused
+from tailtamer.rl.data import context_cut
 from tailtamer.rollout.engine import Engine, EngineConfig
 from tailtamer.rollout.sampling import SamplingParams, target_probs
 from tailtamer.rollout.speculative import Strategy
@@ -60,6 +62,7 @@ from tailtamer.rollout.vllm_backend import (VLLMBackend, VLLMConfig, bias_free, 
 
 PROBE = (1, 2, 3, 4)  # token ids of the probe input that proves the engine's weights current
 PROBE_TOL = 1e-4  # the largest difference of the two models' probe logits, relative to their scale
+PROBE_TOL_16BIT = 5e-2  # the same, for a model in bfloat16 or float16 (its logits then round at ~1e-2)
 
 
 class StalePolicy(TailtamerError):
@@ -84,7 +87,8 @@ def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch
                           f"speculation")
     if strategy is not None and not isinstance(strategy, str):
         raise ConfigError(f"TLTRollout strategy={strategy!r}: give one strategy's name, e.g. '4_1_5'")
-    if strategies is not None and (isinstance(strategies, str) or not all(isinstance(x, str) for x in strategies)):
+    if strategies is not None and (not isinstance(strategies, (list, tuple)) or
+                                   not all(isinstance(x, str) for x in strategies)):
         raise ConfigError(f"TLTRollout strategies={strategies!r}: give a list of strategy names, e.g. ['7_1_8', "
                           f"'4_1_5']")
     if not _whole_at_least(max_batch_size, 1):
@@ -140,6 +144,7 @@ class TLTRollout:
         self.adaptive: AdaptiveDrafter | None = None
         self.workers: Workers | None = None
         self.calls = 0
+        self._cut_said = False
 
     # --- the call TRL makes -------------------------------------------------------------------
 
@@ -157,11 +162,17 @@ class TLTRollout:
         params = self._params(trainer)
         groups = _group_rows(prompt_ids)
         size = len(prompt_ids) // len(groups)
-        unique = [prompt_ids[g[0]] for g in groups] if all(len(g) == size for g in groups) else prompt_ids
+        if not all(len(g) == size for g in groups):
+            groups = [[i] for i in range(len(prompt_ids))]
+        unique = [prompt_ids[g[0]] for g in groups]
+        # errors name the rows of TRL's call (the process's batch) the prompt fills
+        labels = [f"TLTRollout call {self.calls + 1}, prompt rows {g[0]}-{g[-1]}" for g in groups]
         params = replace(params, n=len(prompt_ids) // len(unique))
+        self._say_context_cut(params.max_new_tokens, max(map(len, unique)))
         t0 = time.perf_counter()
         keep = self.adaptive.collector(self.calls) if self.adaptive is not None else None
-        completions, stats = self.engine.generate(unique, replace(params, logprobs=True), keep_hidden=keep)
+        completions, stats = self.engine.generate(unique, replace(params, logprobs=True), keep_hidden=keep,
+                                                  labels=labels)
         rollout_s = time.perf_counter() - t0
         spot = self._train_drafter() if self.adaptive is not None else {}
         completion_ids = [c.token_ids for c in completions]
@@ -181,14 +192,14 @@ class TLTRollout:
         if hasattr(policy, "peft_config"):
             raise ConfigError("TLTRollout: a PEFT model is not supported yet (merge its adapters into the model "
                               "first, or drop TLTRollout)")
-        if getattr(args, "repetition_penalty", 1.0) != 1.0:
-            raise ConfigError(f"TLTRollout: repetition_penalty={args.repetition_penalty} would change the policy's "
+        kwargs = generation_settings(trainer)
+        if kwargs.get("repetition_penalty") not in (None, 1.0):
+            raise ConfigError(f"TLTRollout: repetition_penalty={kwargs['repetition_penalty']} would change the policy's "
                               f"distribution, which speculative decoding keeps exactly; use 1.0")
-        if getattr(args, "min_p", None):
-            raise ConfigError(f"TLTRollout: min_p={args.min_p} is not supported by tailtamer's sampler; use top_p or "
-                              f"top_k")
-        extra = {k: v for k, v in (getattr(trainer, "generation_kwargs", None) or {}).items()
-                 if k not in TRL_GENERATION_KEYS}
+        if kwargs.get("min_p"):
+            raise ConfigError(f"TLTRollout: min_p={kwargs['min_p']} is not supported by tailtamer's sampler; use top_p "
+                              f"or top_k")
+        extra = {k: v for k, v in kwargs.items() if k not in TRL_GENERATION_KEYS}
         if extra:
             raise ConfigError(f"TLTRollout: generation_kwargs {sorted(extra)} are not supported; tailtamer samples "
                               f"with temperature, top_k, top_p and do_sample only")
@@ -197,7 +208,8 @@ class TLTRollout:
         if arch not in ARCHITECTURES:
             raise ConfigError(f"TLTRollout: {arch} is not supported; tailtamer's engine runs {', '.join(sorted(ARCHITECTURES))}")
         cfg = ModelConfig.from_hf({**raw, "architectures": [arch]}, source=f"the trainer's model ({arch})")
-        cfg = cfg.replace(eos_token_id=list(trainer.eos_token_ids) or None)
+        eos = end_of_sequence(kwargs.get("eos_token_id", trainer.eos_token_ids))
+        cfg = cfg.replace(eos_token_id=list(eos) or None)
         weight = next(policy.parameters())
         model = model_from_hf_state(cfg, policy.state_dict(), torch.float32 if weight.dtype != torch.float64 else
                                     torch.float64, weight.device, "the trainer's model", "its config")
@@ -210,7 +222,7 @@ class TLTRollout:
             atexit.register(shutil.rmtree, self._dir, True)
             save_model(model, self._dir)
             return VLLMBackend(self._dir, model, None, self.spec, bias_free(drafter), VLLMConfig(), self.max_batch_size,
-                               seed=int(args.seed), eos_ids=tuple(trainer.eos_token_ids),
+                               seed=int(args.seed), eos_ids=eos,
                                log_file=Path(args.output_dir) / "vllm.log")
         speculator = make_speculator(self.spec, model, drafter)
         several = trainer.accelerator.num_processes > 1
@@ -221,7 +233,7 @@ class TLTRollout:
                                             int(args.seed) * 1009 + self.workers.rank, Strategy.parse(self.spec.fixed).depth,
                                             score)
         return Engine(model, config=EngineConfig(max_batch_size=self.max_batch_size),
-                      eos_ids=tuple(trainer.eos_token_ids), speculator=speculator)
+                      eos_ids=eos, speculator=speculator)
 
     # --- per call -----------------------------------------------------------------------------------
 
@@ -231,6 +243,10 @@ class TLTRollout:
         model = self.model
         state = join_fused({from_hf_key(k): v for k, v in policy.state_dict().items()}, model.config)
         params = dict(model.named_parameters())  # a tied LM head is the embedding's parameter
+        other = next((n for n, v in state.items() if n in params and v.shape != params[n].shape), None)
+        if other is not None or set(params) - set(state):
+            raise ConfigError("TLTRollout: the trainer's model is not the one its engine was built for (a TLTRollout "
+                              "serves the model of the first trainer that called it); give each trainer its own")
         with torch.no_grad():
             for name, value in state.items():
                 if name in params:
@@ -238,16 +254,25 @@ class TLTRollout:
         self.check(policy)
 
     def check(self, policy) -> None:
+        """Both models' logits on the probe input, the trainer's in its weights' precision: not
+        under the autocast a mixed-precision trainer wraps its forward in (accelerate keeps the
+        forward it wrapped as `_original_forward`)."""
         model = self.model
         ids = torch.tensor([PROBE], device=next(model.parameters()).device)
-        with torch.no_grad():
-            theirs = policy(input_ids=ids.to(next(policy.parameters()).device)).logits.float().cpu()
+        weight = next(policy.parameters())
+        forward = policy.__dict__.get("_original_forward", policy)
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            theirs = forward(input_ids=ids.to(weight.device)).logits.float().cpu()
             ours = model(ids)[0].float().cpu()
         scale = theirs.abs().max().clamp(min=1e-6)
         diff = float((theirs - ours).abs().max() / scale)
-        if not diff <= PROBE_TOL:
+        # 16-bit weights compute in 16 bits there and in float32 here: the probe then proves the
+        # architecture, while the copy above, every parameter of the same shape, proves it current
+        tol = PROBE_TOL if weight.element_size() >= 4 else PROBE_TOL_16BIT
+        if not diff <= tol:
             raise StalePolicy(f"TLTRollout: the engine's policy is stale: its logits on the probe input differ from the "
-                              f"trainer's model by {diff:.2e} (relative; at most {PROBE_TOL:g}), call {self.calls + 1}")
+                              f"trainer's model ({weight.dtype}) by {diff:.2e} (relative; at most {tol:g}), call "
+                              f"{self.calls + 1}")
 
     def _train_drafter(self) -> dict:
         """The spot trainer in this call's idle time, then the drafters averaged and checked
@@ -280,8 +305,15 @@ class TLTRollout:
 
     def _params(self, trainer) -> SamplingParams:
         args = trainer.args
-        kwargs = getattr(trainer, "generation_kwargs", None) or {}
-        greedy = kwargs.get("do_sample") is False or args.temperature == 0
+        kwargs = generation_settings(trainer)
+        for key in ("temperature", "top_p", "top_k", "max_new_tokens"):
+            value = kwargs.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise ConfigError(f"TLTRollout: generation {key}={value!r}: give a number")
+        if kwargs.get("top_p") == 0:  # transformers keeps one token there; tailtamer's sampler takes (0, 1]
+            raise ConfigError("TLTRollout: generation top_p=0: give top_p in (0, 1], or generation_kwargs="
+                              "{'do_sample': False} for greedy decoding")
+        greedy = kwargs.get("do_sample") is False or kwargs.get("temperature", args.temperature) == 0
         step = trainer.state.global_step
         seed = (int(args.seed) * 1_000_003 + step * 1009 + trainer.accelerator.process_index * 7919 + self.calls) % 2 ** 62
         return SamplingParams(temperature=0.0 if greedy else kwargs.get("temperature", args.temperature),
@@ -289,6 +321,16 @@ class TLTRollout:
                               top_p=float(kwargs.get("top_p", args.top_p) or 1.0),
                               max_new_tokens=int(kwargs.get("max_new_tokens", trainer.max_completion_length)),
                               seed=seed)
+
+    def _say_context_cut(self, max_new_tokens: int, longest: int) -> None:
+        """Once, as `tailtamer train` and `generate` say it: the model's context will end
+        responses before max_completion_length."""
+        cut = context_cut(f"max_completion_length {max_new_tokens}", max_new_tokens,
+                          self.model.config.max_position_embeddings, longest,
+                          "without an end-of-sequence token (a truncated completion)")
+        if cut and not self._cut_said:
+            self._cut_said = True
+            print(f"TLTRollout: {cut}", file=sys.stderr)
 
     def recomputed_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                             params: SamplingParams) -> list[list[float]]:
@@ -329,6 +371,24 @@ class TLTRollout:
 # generation_kwargs keys TRL sets itself or that tailtamer honours
 TRL_GENERATION_KEYS = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature",
                        "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation"}
+
+
+def generation_settings(trainer) -> dict:
+    """How TRL's own generation would sample: its generation_kwargs (GRPOConfig's sampling
+    values merged with args.generation_kwargs, which win), or GRPOConfig's values where a TRL
+    keeps none."""
+    args = trainer.args
+    kwargs = getattr(trainer, "generation_kwargs", None)
+    if kwargs is None:
+        kwargs = {key: getattr(args, key) for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                  if hasattr(args, key)}
+    return dict(kwargs)
+
+
+def end_of_sequence(ids) -> tuple[int, ...]:
+    """The end-of-sequence ids TRL's generation stops at (one id or several; None: none)."""
+    ids = [ids] if ids is None or isinstance(ids, numbers.Integral) else list(ids)
+    return tuple(int(i) for i in ids if i is not None)
 
 
 def check_trl() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tailtamer.errors import CheckpointError
+from tailtamer.errors import CheckpointError, ConfigError
 
 
 def check_model_dir(model_dir: Path) -> None:
@@ -30,6 +30,14 @@ def check_model_dir(model_dir: Path) -> None:
     if not (model_dir / "tokenizer.json").is_file() and _is_drafter(model_dir / "config.json"):
         raise CheckpointError(f"{model_dir} is an EAGLE drafter, not a model: give it as the drafter (--drafter, "
                               f"spec.drafter) and its target model as the model")
+
+
+def check_run_model(model_dir: str | Path) -> None:
+    """`check_model_dir` of run.model, its failure a ConfigError naming the field."""
+    try:
+        check_model_dir(Path(model_dir))
+    except CheckpointError as e:
+        raise ConfigError(f"run.model {e}") from None
 
 
 def _is_drafter(config: Path) -> bool:

@@ -175,31 +175,37 @@ def check_drafter_dir(drafter_dir: str | Path, name: str | None = None) -> tuple
     try:
         raw = read_json(path, "config.json")
     except CheckpointError as e:  # malformed
-        raise CheckpointError(f"{name}: {e}" if name else str(e)) from None
+        if not name:
+            raise
+        raise CheckpointError(f"{name}: {e}") from None
     arch = (raw.get("architectures") or [None])[0] if isinstance(raw, dict) else None
     if arch not in EAGLE_ARCHITECTURES.values():
         model = "; it is a model (a drafter goes with its target model)" if (path.parent / "tokenizer.json").is_file() \
             else ""
-        raise CheckpointError(f"{f'{name}: config.json' if name else path}: architecture {arch!r} is not an EAGLE "
-                              f"drafter; expected one of {sorted(set(EAGLE_ARCHITECTURES.values()))}{model}")
+        raise CheckpointError(f"{_config_of(path, name)}: architecture {arch!r} is not an EAGLE drafter; expected one "
+                              f"of {sorted(set(EAGLE_ARCHITECTURES.values()))}{model}")
     return raw, arch
 
 
-def drafter_config(drafter_dir: str | Path, target_cfg: ModelConfig, name: str | None = None) -> ModelConfig:
-    """The config of the drafter in `drafter_dir`, checked to be one layer that fits a target
-    of `target_cfg` (`name`: as `check_drafter_dir`)."""
+def _config_of(path: Path, name: str | None) -> str:
+    """How an error names a drafter's config.json: by the flag or field it was given with, if any."""
+    return f"{name}: config.json" if name else str(path)
+
+
+def check_drafter_fits(drafter_dir: str | Path, target_cfg: ModelConfig, name: str | None = None) -> None:
+    """The drafter in `drafter_dir` is one layer that fits a target of `target_cfg` (`name`: as
+    `check_drafter_dir`)."""
     raw, arch = check_drafter_dir(drafter_dir, name)
-    path = Path(drafter_dir) / "config.json"
-    cfg = ModelConfig.from_hf({**raw, "architectures": [arch.removesuffix("Eagle")]}, source=str(path))
+    where = _config_of(Path(drafter_dir) / "config.json", name)
+    cfg = ModelConfig.from_hf({**raw, "architectures": [arch.removesuffix("Eagle")]}, source=where)
     if cfg.num_hidden_layers != 1:
-        raise CheckpointError(f"{path}: an EAGLE drafter has num_hidden_layers 1, got {cfg.num_hidden_layers}")
+        raise CheckpointError(f"{where}: an EAGLE drafter has num_hidden_layers 1, got {cfg.num_hidden_layers}")
     check_fits(cfg, target_cfg, name or f"drafter {drafter_dir}")
-    return cfg
 
 
 def load_drafter(drafter_dir: str | Path, target: Transformer) -> Drafter:
     drafter_dir = Path(drafter_dir)
-    drafter_config(drafter_dir, target.config)
+    check_drafter_fits(drafter_dir, target.config)
     # Checkpoints from other tools may carry a copy of the embedding or head: the target's wins.
     tensors = {k: v for k, v in read_safetensors(drafter_dir).items() if not k.startswith(SHARED_PREFIXES)}
     drafter = Drafter(target, fc_bias="fc.bias" in tensors)

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from tailtamer.errors import ConfigError, DataError
-from tailtamer.jsonl import check_file, read_jsonl
+from tailtamer.jsonl import check_file, check_unicode, read_jsonl
 from tailtamer.model.tokenizer import Tokenizer
 from tailtamer.tasks.arithmetic import HELD_OUT_SEED, ArithmeticTask
 
@@ -21,12 +21,7 @@ def prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str = "prompt
     tokenizer's chat template with the generation prompt appended. `name`: the column errors
     name for `prompt` (data.prompt_key's, when it maps one); `mappable`: data.prompt_key can
     name another column (training data), which an error then says."""
-    text = _prompt_text(row, tokenizer, where, name, mappable)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise DataError(f"{where}: the prompt is not valid Unicode (an unpaired surrogate such as \\ud800)") from None
-    return text
+    return check_unicode(_prompt_text(row, tokenizer, where, name, mappable), where, "prompt")
 
 
 def _prompt_text(row: dict, tokenizer: Tokenizer, where: str, name: str, mappable: bool) -> str:

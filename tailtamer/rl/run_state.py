@@ -19,13 +19,13 @@ from tailtamer.errors import CheckpointError, ConfigError, DataError
 from tailtamer.jsonl import check_file
 from tailtamer.memory import available_memory, check_fits, estimate_for, format_estimate
 from tailtamer.metrics import check_loggers
-from tailtamer.model.dirs import check_model_dir
-from tailtamer.model.drafter import check_drafter_dir, drafter_config, load_drafter
+from tailtamer.model.dirs import check_run_model
+from tailtamer.model.drafter import check_drafter_dir, check_drafter_fits, load_drafter
 from tailtamer.model.io import check_tokenizer_fits, load_config, load_model
 from tailtamer.model.tokenizer import load_tokenizer
 from tailtamer.rl.checkpoint import checkpoint_step, earlier_checkpoint_hint, latest_checkpoint, load_checkpoint
-from tailtamer.rl.data import (PromptOrder, check_builtin_fits, context_cut, datasets, held_out_count, read_rows,
-                               unread_data)
+from tailtamer.rl.data import (PromptOrder, check_builtin_fits, context_cut, datasets, evaluates, held_out_count,
+                               read_rows, unread_data)
 from tailtamer.rl.optim import make_optimizer
 from tailtamer.rl.rewards import BUILTIN_REWARDS, RewardScorer, check_routes, user_reward_target
 from tailtamer.rl.run_dir import DEFAULT_NAME, REWARD_LOG, VLLM_LOG, check_run_files
@@ -86,35 +86,43 @@ def training_prompts(cfg: TrainConfig) -> int:
 
 def check_startable(cfg: TrainConfig, resume: Path | None, world: int) -> None:
     """Before anything is loaded, written or spawned (a first run's base model takes minutes):
-    a resume must have steps to go and its run's files must be files, and the built-in
-    problems must fit in each of `world` workers' share of memory."""
+    a resume must have steps to go and its run's files must be files, the files the run reads
+    must be there (`check_inputs`), and the built-in problems must fit in each of `world`
+    workers' share of memory."""
+    checkpoint = None
     if resume is not None:
         check_run_files(resume)
-        done = checkpoint_step(latest_checkpoint(resume))
+        checkpoint = latest_checkpoint(resume)
+        done = checkpoint_step(checkpoint)
         if done >= cfg.run.steps:
             raise ConfigError(f"--resume {resume}: the run is at step {done} and run.steps is {cfg.run.steps}, so "
                               f"there is nothing to train; give run.steps={done + 1} or more to go on")
-    check_inputs(cfg)
+    check_inputs(cfg, checkpoint, world)
     check_builtin_fits(cfg, machine_share(available_memory("cpu"), world))
 
 
-def check_inputs(cfg: TrainConfig) -> None:
+def check_inputs(cfg: TrainConfig, checkpoint: Path | None = None, world: int = 1) -> None:
     """The model, drafter, data and reward files a run reads are there, each named by its
-    field, before anything loads (a worker would find them only after the launcher's set-up)."""
-    drafter = cfg.spec.drafter
-    eagle = cfg.spec.eagle and drafter != "builtin"
+    field, before anything loads (a worker would find them only after the launcher's set-up).
+    A run resumed from `checkpoint` goes on with the drafter it saved there, and reads
+    spec.drafter only as the frozen one the trained drafter is compared with."""
+    drafter, spot = cfg.spec.drafter, cfg.spot
+    saved = checkpoint is not None and (checkpoint / "drafter").is_dir()
+    reads_drafter = cfg.spec.eagle and drafter != "builtin" and (
+        not saved or (spot.compare_frozen and spot.trains(True, world)))
+    target = None
     if cfg.run.model is not None:
+        check_run_model(cfg.run.model)
         try:
-            check_model_dir(Path(cfg.run.model))
-            target = load_config(cfg.run.model) if eagle else None
+            target = load_config(cfg.run.model) if reads_drafter else None
         except CheckpointError as e:
             raise ConfigError(f"run.model {e}") from None
-    if eagle:
-        if cfg.run.model is None:  # the built-in base model: its config is known once it is trained
+    if reads_drafter:
+        if target is None:  # the built-in base model: its config is known once it is trained
             check_drafter_dir(drafter, f"spec.drafter {drafter}")
         else:
-            drafter_config(drafter, target, f"spec.drafter {drafter}")
-    for name in ("train", "eval"):
+            check_drafter_fits(drafter, target, f"spec.drafter {drafter}")
+    for name in ("train", "eval") if evaluates(cfg) else ("train",):
         path = getattr(cfg.data, name)
         if path not in (None, "builtin"):
             try:

@@ -103,7 +103,7 @@ class Strategy:
         and K² at each further one (the top K children of the K best nodes); the suffix index's
         trie K + K² + ... + K^D."""
         if self.model_free:
-            return sum(min(self.topk ** d, MAX_VERIFY) for d in range(1, self.depth + 1))
+            return sum(self.topk ** d for d in range(1, self.depth + 1))
         return self.topk + (self.depth - 1) * self.topk ** 2
 
     @property

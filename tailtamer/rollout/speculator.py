@@ -233,8 +233,8 @@ class SpecConfig:
         if self.bucket_thresholds is not None:
             given = list(self.bucket_thresholds)
             if self.strategies is None and len(given) != groups and from_one_up(given):
-                raise ConfigError(f"spec.bucket_thresholds has {entries(len(given))} but the default arms form {groups} groups "
-                                  f"by tokens to verify: give {groups}, or leave it unset "
+                raise ConfigError(f"spec.bucket_thresholds has {entries(len(given))} but the default arms form "
+                                  f"{groups} groups by tokens to verify: give {groups}, or leave it unset "
                                   f"({', '.join(map(str, DEFAULT_BUCKET_THRESHOLDS))})")
             return given
         if groups > len(DEFAULT_BUCKET_THRESHOLDS):
