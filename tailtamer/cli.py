@@ -454,4 +454,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped: {CLOSED_PIPE}", file=sys.stderr)
         return 141  # as the shell reports a process that SIGPIPE ended
     return 0
-

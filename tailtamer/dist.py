@@ -286,8 +286,10 @@ def _spawned(rank: int, world: int, port: int, launcher: int, entry: Callable, a
     except KeyboardInterrupt:  # a second Ctrl-C: the launcher stops everyone and says so
         os._exit(130)
     except BaseException as e:  # one line for the launcher, in the order the workers failed
-        results.put(("error", rank, str(e) if isinstance(e, TailtamerError) else CLOSED_PIPE
-                     if isinstance(e, BrokenPipeError) and stdout_closed() else f"{type(e).__name__}: {e}"))
+        message = str(e) if isinstance(e, TailtamerError) else f"{type(e).__name__}: {e}"
+        if isinstance(e, BrokenPipeError) and stdout_closed():  # `| head` ended: not the worker's failure
+            message = CLOSED_PIPE
+        results.put(("error", rank, message))
         _exit(1)
     if rank == 0 and value is not None:
         results.put(("ok", rank, value))  # written to the pipe before put returns

@@ -29,11 +29,16 @@ def stdout_closed() -> bool:
     """Whether stdout is a pipe whose reader has gone (`| head` read what it wanted: the pipe
     polls as an error), so a BrokenPipeError is the reader's doing, not another pipe's. If so
     stdout is pointed at /dev/null, so that the interpreter's exit does not fail flushing it."""
+    if sys.stdout is None:
+        return False
     try:
         poll = select.poll()
         poll.register(sys.stdout.fileno(), select.POLLOUT)
-        closed = any(events & select.POLLERR for _, events in poll.poll(0))
-    except (AttributeError, OSError, ValueError):  # no stdout, or not a file
+        # Linux polls a pipe without its reader as an error, macOS as hung up
+        closed = any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except AttributeError:  # no poll (Windows): a broken pipe there is taken to be stdout's
+        closed = True
+    except (OSError, ValueError):  # stdout is not a file
         return False
     if closed:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

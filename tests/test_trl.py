@@ -388,10 +388,31 @@ def test_a_rollout_serves_one_model_and_says_so_for_another(model_dir, tmp_path,
     narrow = tmp_path / "narrow"
     save_model(random_model(tiny_config(hidden_size=32)), narrow)
     char_tokenizer().save(narrow)
+    deeper = tmp_path / "deeper"  # the same shapes, one layer more: its extra tensors were never copied
+    save_model(random_model(tiny_config(num_hidden_layers=3)), deeper)
+    char_tokenizer().save(deeper)
     rollout = TLTRollout(spec="off", drafter=None)
     _rollout_once(_trainer(model_dir, tmp_path, rollout)[0], rollout)
     with pytest.raises(ConfigError, match="the trainer's model is not the one its engine was built for"):
         _rollout_once(_trainer(narrow, tmp_path, rollout)[0], rollout)
+    with pytest.raises(ConfigError, match="built for \\(layers.2.[a-z_.]+ differs; "):
+        _rollout_once(_trainer(deeper, tmp_path, rollout)[0], rollout)
+
+
+def test_bfloat16_weights_roll_out_and_sharded_weights_are_refused(model_dir, tmp_path, monkeypatch):
+    """A model loaded in bfloat16 computes its probe logits in bfloat16, ours in float32: the
+    probe holds it to the architecture's tolerance; FSDP's shards cannot fill the engine."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout = TLTRollout(spec="off", drafter=None)
+    trainer, _ = _trainer(model_dir, tmp_path, rollout, generation_kwargs={"temperature": None})  # None: unset
+    trainer.model.to(torch.bfloat16)
+    rows, out = _rollout_once(trainer, rollout)
+    assert len(out["completion_ids"]) == len(rows)
+    sharded = TLTRollout(spec="off", drafter=None)
+    trainer, _ = _trainer(model_dir, tmp_path, sharded)
+    monkeypatch.setattr(trainer, "is_fsdp_enabled", True)
+    with pytest.raises(ConfigError, match="FSDP and DeepSpeed ZeRO-3 shard the model's weights"):
+        _rollout_once(trainer, sharded)
 
 
 def test_prompt_errors_name_trls_rows_and_a_context_cut_is_said_once(model_dir, tmp_path, monkeypatch, capsys):

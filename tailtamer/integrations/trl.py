@@ -50,7 +50,7 @@ from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.model.config import ARCHITECTURES, ModelConfig
 from tailtamer.model.drafter import load_drafter, weights_checksum
-from tailtamer.model.io import from_hf_key, model_from_hf_state, save_model
+from tailtamer.model.io import IGNORED_SUFFIXES, from_hf_key, model_from_hf_state, save_model
 from tailtamer.model.transformer import join_fused
 from tailtamer.rl.data import context_cut
 from tailtamer.rollout.engine import Engine, EngineConfig
@@ -62,7 +62,10 @@ from tailtamer.rollout.vllm_backend import (VLLMBackend, VLLMConfig, bias_free, 
 
 PROBE = (1, 2, 3, 4)  # token ids of the probe input that proves the engine's weights current
 PROBE_TOL = 1e-4  # the largest difference of the two models' probe logits, relative to their scale
-PROBE_TOL_16BIT = 5e-2  # the same, for a model in bfloat16 or float16 (its logits then round at ~1e-2)
+# The same for 16-bit weights, which compute in 16 bits there and in float32 here: the gap grows
+# with depth (2-4e-2 for bfloat16 on 2-24 layers, 2-5e-3 for float16), so these bounds prove
+# the architecture and the shape-checked copy of every tensor proves the weights current.
+PROBE_TOL_16BIT = {torch.bfloat16: 0.25, torch.float16: 1e-2}
 
 
 class StalePolicy(TailtamerError):
@@ -165,8 +168,9 @@ class TLTRollout:
         if not all(len(g) == size for g in groups):
             groups = [[i] for i in range(len(prompt_ids))]
         unique = [prompt_ids[g[0]] for g in groups]
-        # errors name the rows of TRL's call (the process's batch) the prompt fills
-        labels = [f"TLTRollout call {self.calls + 1}, prompt rows {g[0]}-{g[-1]}" for g in groups]
+        # a user maps an error to TRL's batch, not to our list of unique prompts
+        labels = [f"TLTRollout call {self.calls + 1}, prompt "
+                  + (f"rows {g[0]}-{g[-1]}" if len(g) > 1 else f"row {g[0]}") for g in groups]
         params = replace(params, n=len(prompt_ids) // len(unique))
         self._say_context_cut(params.max_new_tokens, max(map(len, unique)))
         t0 = time.perf_counter()
@@ -189,9 +193,20 @@ class TLTRollout:
         if getattr(args, "use_vllm", False):
             raise ConfigError("TLTRollout with GRPOConfig(use_vllm=True): TLTRollout rolls out with tailtamer's engine; "
                               "set use_vllm=False, or drop TLTRollout to use TRL's vLLM generation")
+        plugin = getattr(getattr(trainer.accelerator, "state", None), "deepspeed_plugin", None)
+        if getattr(trainer, "is_fsdp_enabled", False) or getattr(plugin, "zero_stage", 0) == 3:
+            # each process holds a shard of the weights, and the engine needs them whole
+            raise ConfigError("TLTRollout: FSDP and DeepSpeed ZeRO-3 shard the model's weights, which tailtamer's "
+                              "engine needs whole on every process; use DDP or ZeRO-1/2, or drop TLTRollout")
         if hasattr(policy, "peft_config"):
             raise ConfigError("TLTRollout: a PEFT model is not supported yet (merge its adapters into the model "
                               "first, or drop TLTRollout)")
+        # first: TRL adds generation settings of its own for a model it cannot run (a VLM's suppress_tokens)
+        raw = policy.config.to_dict()
+        arch = (raw.get("architectures") or [type(policy).__name__])[0]
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"TLTRollout: {arch} is not supported; tailtamer's engine runs "
+                              f"{', '.join(sorted(ARCHITECTURES))}")
         kwargs = generation_settings(trainer)
         if kwargs.get("repetition_penalty") not in (None, 1.0):
             raise ConfigError(f"TLTRollout: repetition_penalty={kwargs['repetition_penalty']} would change the policy's "
@@ -203,10 +218,6 @@ class TLTRollout:
         if extra:
             raise ConfigError(f"TLTRollout: generation_kwargs {sorted(extra)} are not supported; tailtamer samples "
                               f"with temperature, top_k, top_p and do_sample only")
-        raw = policy.config.to_dict()
-        arch = (raw.get("architectures") or [type(policy).__name__])[0]
-        if arch not in ARCHITECTURES:
-            raise ConfigError(f"TLTRollout: {arch} is not supported; tailtamer's engine runs {', '.join(sorted(ARCHITECTURES))}")
         cfg = ModelConfig.from_hf({**raw, "architectures": [arch]}, source=f"the trainer's model ({arch})")
         eos = end_of_sequence(kwargs.get("eos_token_id", trainer.eos_token_ids))
         cfg = cfg.replace(eos_token_id=list(eos) or None)
@@ -243,10 +254,14 @@ class TLTRollout:
         model = self.model
         state = join_fused({from_hf_key(k): v for k, v in policy.state_dict().items()}, model.config)
         params = dict(model.named_parameters())  # a tied LM head is the embedding's parameter
-        other = next((n for n, v in state.items() if n in params and v.shape != params[n].shape), None)
-        if other is not None or set(params) - set(state):
-            raise ConfigError("TLTRollout: the trainer's model is not the one its engine was built for (a TLTRollout "
-                              "serves the model of the first trainer that called it); give each trainer its own")
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        names = {n for n in state if not n.endswith(IGNORED_SUFFIXES)} - tied
+        other = sorted(set(params) ^ names) or [n for n, v in state.items()
+                                                               if n in params and v.shape != params[n].shape]
+        if other:
+            raise ConfigError(f"TLTRollout: the trainer's model is not the one its engine was built for ({other[0]} "
+                              f"differs; a TLTRollout serves the model of the first trainer that called it); give each "
+                              f"trainer its own")
         with torch.no_grad():
             for name, value in state.items():
                 if name in params:
@@ -266,9 +281,7 @@ class TLTRollout:
             ours = model(ids)[0].float().cpu()
         scale = theirs.abs().max().clamp(min=1e-6)
         diff = float((theirs - ours).abs().max() / scale)
-        # 16-bit weights compute in 16 bits there and in float32 here: the probe then proves the
-        # architecture, while the copy above, every parameter of the same shape, proves it current
-        tol = PROBE_TOL if weight.element_size() >= 4 else PROBE_TOL_16BIT
+        tol = PROBE_TOL_16BIT.get(weight.dtype, PROBE_TOL)
         if not diff <= tol:
             raise StalePolicy(f"TLTRollout: the engine's policy is stale: its logits on the probe input differ from the "
                               f"trainer's model ({weight.dtype}) by {diff:.2e} (relative; at most {tol:g}), call "
@@ -325,10 +338,12 @@ class TLTRollout:
     def _say_context_cut(self, max_new_tokens: int, longest: int) -> None:
         """Once, as `tailtamer train` and `generate` say it: the model's context will end
         responses before max_completion_length."""
+        if self._cut_said:
+            return
         cut = context_cut(f"max_completion_length {max_new_tokens}", max_new_tokens,
                           self.model.config.max_position_embeddings, longest,
                           "without an end-of-sequence token (a truncated completion)")
-        if cut and not self._cut_said:
+        if cut:
             self._cut_said = True
             print(f"TLTRollout: {cut}", file=sys.stderr)
 
@@ -375,14 +390,14 @@ TRL_GENERATION_KEYS = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token
 
 def generation_settings(trainer) -> dict:
     """How TRL's own generation would sample: its generation_kwargs (GRPOConfig's sampling
-    values merged with args.generation_kwargs, which win), or GRPOConfig's values where a TRL
-    keeps none."""
+    values merged with args.generation_kwargs, which win; GRPOConfig's where a TRL keeps none),
+    without the settings left unset."""
     args = trainer.args
     kwargs = getattr(trainer, "generation_kwargs", None)
     if kwargs is None:
-        kwargs = {key: getattr(args, key) for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                  if hasattr(args, key)}
-    return dict(kwargs)
+        kwargs = {**{key: getattr(args, key) for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                     if hasattr(args, key)}, **(getattr(args, "generation_kwargs", None) or {})}
+    return {key: value for key, value in kwargs.items() if value is not None}  # None: unset, as transformers reads it
 
 
 def end_of_sequence(ids) -> tuple[int, ...]:
