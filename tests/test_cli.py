@@ -381,6 +381,7 @@ def test_bad_generate_arguments_are_one_line_errors(model_dir, tmp_path, capsys,
     (["train", "--help-config", "--set", "run.steps=2"], "--help-config lists the config fields and runs nothing"),
     (["train", "run.steps=2", "--help-config"], "--help-config lists the config fields and runs nothing"),
     (["train", "--help-config", "run.steps=2"], "--help-config takes text or markdown, got 'run.steps=2'; it lists"),
+    (["train", "--help-config="], "--help-config takes text or markdown, got ''; it lists"),  # it ran the job
     (["bench", "rollout", "--arms", "plain", "--drafter", "{tmp}/nope"],
      "--drafter: bench rollout --arms plain drafts nothing"),
     (["bench", "profile", "--model", "{tmp}/full", "--drafter", "{tmp}/full", "--steps", "3"],

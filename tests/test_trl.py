@@ -437,3 +437,6 @@ def test_end_of_sequence_ids_as_trl_gives_them():
 
     assert end_of_sequence([None]) == end_of_sequence(None) == ()
     assert end_of_sequence(7) == (7,) and end_of_sequence([3, None, 9]) == (3, 9)
+    for wrong in (True, ["2"], [1.5]):
+        with pytest.raises(ConfigError, match="give a token id or a list of them"):
+            end_of_sequence(wrong)

@@ -50,7 +50,7 @@ from tailtamer.drafter.spot import SpotConfig
 from tailtamer.errors import ConfigError, TailtamerError
 from tailtamer.model.config import ARCHITECTURES, ModelConfig
 from tailtamer.model.drafter import load_drafter, weights_checksum
-from tailtamer.model.io import IGNORED_SUFFIXES, from_hf_key, model_from_hf_state, save_model
+from tailtamer.model.io import IGNORED_SUFFIXES, from_hf_key, model_from_hf_state, save_model, token_ids
 from tailtamer.model.transformer import join_fused
 from tailtamer.rl.data import context_cut
 from tailtamer.rollout.engine import Engine, EngineConfig
@@ -402,8 +402,12 @@ def generation_settings(trainer) -> dict:
 
 def end_of_sequence(ids) -> tuple[int, ...]:
     """The end-of-sequence ids TRL's generation stops at (one id or several; None: none)."""
-    ids = [ids] if ids is None or isinstance(ids, numbers.Integral) else list(ids)
-    return tuple(int(i) for i in ids if i is not None)
+    listed = [] if ids is None else [ids] if isinstance(ids, numbers.Integral) else list(ids)
+    checked = token_ids([int(i) if isinstance(i, numbers.Integral) and not isinstance(i, bool) else i
+                         for i in listed if i is not None])
+    if checked is None:
+        raise ConfigError(f"TLTRollout: eos_token_id={ids!r}: give a token id or a list of them")
+    return tuple(checked)
 
 
 def check_trl() -> None:
