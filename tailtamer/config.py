@@ -29,7 +29,7 @@ from tailtamer.rl.sharding import SHARDINGS
 from tailtamer.rollout.backend import BACKENDS
 from tailtamer.rollout.engine import EngineConfig
 from tailtamer.rollout.speculator import FORMER_DEFAULT_THRESHOLDS, SpecConfig, check_engine_drafter
-from tailtamer.rollout.vllm_backend import VLLMConfig, check_strategies, vllm_arms
+from tailtamer.rollout.vllm_backend import VLLM_MAX_TEMPERATURE, VLLMConfig, check_strategies, vllm_arms
 
 
 class _YAML12Loader(yaml.SafeLoader):
@@ -275,6 +275,9 @@ class TrainConfig:
             check_engine_drafter(self.spec)
         if self.rollout.backend == "vllm":
             check_strategies(self.spec)
+            if self.rollout.temperature > VLLM_MAX_TEMPERATURE:
+                raise ConfigError(f"rollout.temperature {self.rollout.temperature}: vLLM samples at temperatures up "
+                                  f"to {VLLM_MAX_TEMPERATURE:g}")
         if self.rl.overlong == "penalty" and self.rl.overlong_buffer >= self.rollout.max_new_tokens:
             raise ConfigError(f"rl.overlong_buffer ({self.rl.overlong_buffer}) must be below rollout.max_new_tokens "
                               f"({self.rollout.max_new_tokens}): the penalty would hit every response")
@@ -480,7 +483,8 @@ def _train_config(data: dict) -> TrainConfig:
     if isinstance(data.get("rollout"), dict) and data["rollout"].get("backend") == "vllm" and \
             isinstance(data.setdefault("spec", {}), dict):
         for name, value in vllm_arms(data["spec"].get("drafter")).items():
-            data["spec"].setdefault(name, list(value) if isinstance(value, tuple) else value)
+            if data["spec"].get(name) is None:  # absent, or null as a run's config.yaml writes it
+                data["spec"][name] = list(value) if isinstance(value, tuple) else value
     return from_dict(TrainConfig, absolute_paths(data))
 
 

@@ -85,7 +85,10 @@ def cmd_generate(args) -> None:
         raise ConfigError(re.sub(r"^\w+", lambda m: SAMPLING_FLAGS.get(m[0], m[0]), str(e))) from None
     device = resolve_device(args.device)
     if vllm:  # before anything loads or starts
-        check_params(params, spec.mode != "off", device.type)
+        try:
+            check_params(params, spec.mode != "off", device.type)
+        except ConfigError as e:
+            raise ConfigError(re.sub(r"^\w+", lambda m: SAMPLING_FLAGS.get(m[0], m[0]), str(e))) from None
     if spec.drafter == "builtin":
         raise ConfigError("--drafter builtin is train's (the built-in base model's warm-up drafter); generate takes "
                           "a drafter directory: train caches that one beside the base model, as "

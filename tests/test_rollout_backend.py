@@ -178,6 +178,26 @@ def test_the_vllm_backend_takes_chains_for_the_default_arms():
     assert load_train_config(None, []).spec.strategies != VLLM_STRATEGIES  # our engine keeps its trees
 
 
+def test_arms_left_null_take_vllms_defaults_as_absent_ones_do(tmp_path):
+    """A run on our engine writes `strategies: null` into its config.yaml: resumed with
+    rollout.backend=vllm it was refused for confidence-shaped arms the user never chose."""
+    import yaml
+
+    from tailtamer.config import to_dict
+
+    written = tmp_path / "config.yaml"
+    written.write_text(yaml.safe_dump(to_dict(load_train_config(None, []))))
+    assert yaml.safe_load(written.read_text())["spec"]["strategies"] is None
+    cfg = load_train_config(written, ["rollout.backend=vllm"])
+    assert cfg.spec.strategies == VLLM_STRATEGIES
+
+
+@pytest.mark.parametrize("override", ["rollout.temperature=2.5", "rollout.temperature=1e30"])
+def test_a_temperature_vllm_refuses_is_refused_before_it_starts(override):
+    with pytest.raises(ConfigError, match="rollout.temperature .*: vLLM samples at temperatures up to 2"):
+        load_train_config(None, ["rollout.backend=vllm", override])
+
+
 @pytest.mark.parametrize("override, message", [
     ("spec.strategies=[4_2_8,4_1_5,2_1_3]", "spec.strategies 4_2_8: vLLM drafts chains only"),
     ("spec.strategy=4_2_8 spec.tuner=fixed", "spec.strategy 4_2_8: vLLM drafts chains only"),

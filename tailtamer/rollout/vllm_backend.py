@@ -67,6 +67,7 @@ def vllm_arms(drafter: str | None) -> dict:
 
 # spec.bs_threshold when unset: TLT switches SD on below 32 running requests.
 VLLM_BS_THRESHOLD = 32
+VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more, once the engine has started
 # Relative differences a published layer may show in the engine's dtype (float32 kernels
 # round in another order than ours; bfloat16 keeps 8 bits).
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -140,6 +141,9 @@ def check_model(model_cfg, device_type: str, where: str) -> None:
 
 def check_params(params: SamplingParams, speculates: bool, device_type: str) -> None:
     """Sampling settings the vLLM backend cannot run, refused before anything starts."""
+    if params.temperature > VLLM_MAX_TEMPERATURE:
+        raise ConfigError(f"temperature {params.temperature}: vLLM samples at temperatures up to "
+                          f"{VLLM_MAX_TEMPERATURE:g}")
     if params.stop:
         raise ConfigError("stop strings need a tokenizer inside the engine; the vLLM backend runs on token ids "
                           "(end responses with the model's EOS ids)")
