@@ -24,6 +24,11 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "
                   "max_new_tokens": "--max-new-tokens", "n": "--n", "stop": "--stop"}
 
 
+def sampling_flagged(e: ConfigError) -> ConfigError:
+    """A sampling error (its first word the SamplingParams field), named by `generate`'s flag."""
+    return ConfigError(re.sub(r"^\w+", lambda m: SAMPLING_FLAGS.get(m[0], m[0]), str(e)))
+
+
 def flagged(e: ConfigError) -> ConfigError:
     """`generate`'s spec errors, named by the flags that set the fields there."""
     named = re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))
@@ -82,13 +87,13 @@ def cmd_generate(args) -> None:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), n=args.n, seed=args.seed)
     except ConfigError as e:
-        raise ConfigError(re.sub(r"^\w+", lambda m: SAMPLING_FLAGS.get(m[0], m[0]), str(e))) from None
+        raise sampling_flagged(e) from None
     device = resolve_device(args.device)
     if vllm:  # before anything loads or starts
         try:
             check_params(params, spec.mode != "off", device.type)
         except ConfigError as e:
-            raise ConfigError(re.sub(r"^\w+", lambda m: SAMPLING_FLAGS.get(m[0], m[0]), str(e))) from None
+            raise sampling_flagged(e) from None
     if spec.drafter == "builtin":
         raise ConfigError("--drafter builtin is train's (the built-in base model's warm-up drafter); generate takes "
                           "a drafter directory: train caches that one beside the base model, as "
