@@ -576,3 +576,33 @@ def test_responses_the_context_will_cut_are_said_at_start_up(toy, tmp_path):
     _train(toy, "run.steps=1", "run.name=long", "rollout.max_new_tokens=300", log=lines.append)
     assert any(line.startswith("rollout.max_new_tokens=300, but the model's context is 256 tokens and prompts take "
                                "up to ") and line.endswith("as truncated") for line in lines), lines
+
+
+def test_a_run_that_fails_before_its_first_step_keeps_the_logs_that_say_why(toy, tmp_path):
+    """vLLM's log (named by the error of a vLLM run that failed at start-up) stays with the
+    reward functions' output; every other file goes, and the name is free. A new run under the
+    name drops the old logs; a user's directory holding a file of such a name is not a run."""
+    from tailtamer.rl.run_dir import FAILURE_LOGS, claim_run_dir
+
+    cfg = load_train_config(None, toy + ["run.name=failed"])
+    for kept in ([], ["vllm.log"], list(FAILURE_LOGS)):
+        _, lock = claim_run_dir(cfg, None)
+        run = tmp_path / "runs" / "failed"
+        for name in ("config.yaml", *kept):
+            (run / name).write_text(f"{name}\n")
+        (run / "metrics.jsonl").write_text("")
+        (run / "tensorboard").mkdir()
+        lock.release(remove_if_unused=True)
+        if not kept:
+            assert not run.exists()
+            continue
+        assert sorted(p.name for p in run.iterdir()) == sorted([".lock", *kept])
+        assert all((run / name).read_text() == f"{name}\n" for name in kept)
+    _train(toy, "run.steps=1", "run.name=failed")
+    assert len(_rows(run)) == 1 and not (run / "vllm.log").exists()
+    mine = tmp_path / "runs" / "mine"
+    mine.mkdir()
+    (mine / "vllm.log").write_text("mine\n")
+    with pytest.raises(ConfigError, match="runs/mine is a directory of other files, not a run"):
+        _train(toy, "run.steps=1", "run.name=mine")
+    assert (mine / "vllm.log").read_text() == "mine\n"

@@ -35,6 +35,8 @@ REWARD_LOG = "reward.log"  # what the user's reward functions print
 VLLM_LOG = "vllm.log"  # what vLLM's engines say (rollout.backend=vllm), every worker's lines marked
 STARTED_FILES = {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", REWARD_LOG, VLLM_LOG, "tensorboard", "wandb",
                  "wandb-id"}
+# What may say why a run failed before its first step: kept when the rest of its directory goes.
+FAILURE_LOGS = (REWARD_LOG, VLLM_LOG)
 
 
 class RunDirLock:
@@ -61,20 +63,20 @@ class RunDirLock:
     def release(self, remove_if_unused: bool = False) -> None:
         """Drop the lock; with `remove_if_unused`, remove a directory this claim created if the
         run finished no step in it (a run that failed at start-up or in its first step leaves
-        no directory that would block its name), but for what its reward functions printed,
-        which may say why it failed (a directory holding only that and `.lock` is free for a
-        new run). The lock is held until the directory is cleaned: a run claiming the name
-        meanwhile is told it is busy."""
+        no directory that would block its name), but for the logs that may say why it failed
+        (FAILURE_LOGS: what its reward functions printed, what vLLM said; a directory holding
+        only those and `.lock` is free for a new run). The lock is held until the directory is
+        cleaned: a run claiming the name meanwhile is told it is busy."""
         if remove_if_unused and self.created and not finished_a_step(self.path):
-            log = self.path / REWARD_LOG
-            if not (log.is_file() and log.stat().st_size):
+            kept = [n for n in FAILURE_LOGS if (log := self.path / n).is_file() and log.stat().st_size]
+            if not kept:
                 shutil.rmtree(self.path, ignore_errors=True)
                 remove_empty_dirs(self.made)  # an empty run.out_dir of its own too; one with files stays
             else:
                 for entry in self.path.iterdir():
                     if entry.is_dir():
                         shutil.rmtree(entry, ignore_errors=True)
-                    elif entry.name not in (REWARD_LOG, ".lock"):
+                    elif entry.name not in (*kept, ".lock"):
                         entry.unlink(missing_ok=True)
         if self._fd is not None:
             os.close(self._fd)
@@ -113,7 +115,8 @@ def _holds_a_run(path: Path) -> bool:
     """The directory holds a run that finished a step, or files of something else: either way
     not ours to write into."""
     names = {p.name for p in path.iterdir()} if path.is_dir() else set()
-    if names <= {".lock"} or names == {".lock", REWARD_LOG}:  # empty, or left by a run that failed at once
+    # empty, or left by a run that failed at once (without a .lock, a file of that name is the user's)
+    if names <= {".lock"} or (".lock" in names and names <= {".lock", *FAILURE_LOGS}):
         return False
     return not unstarted_run(path)
 
@@ -173,7 +176,7 @@ def _claim(cfg, resume: Path | None):
                 if name:
                     raise ConfigError(f"{path} already holds a run; give another run.name")
                 continue
-            for stale in (REWARD_LOG, "wandb-id"):  # of a run that ended in its first step: not this one's
+            for stale in (*FAILURE_LOGS, "wandb-id"):  # of a run that ended in its first step: not this one's
                 (path / stale).unlink(missing_ok=True)
             lock.created = lock.created or not any(p.name != ".lock" for p in path.iterdir())
         except OSError:  # claimed, then refused by the file system: leave nothing behind
