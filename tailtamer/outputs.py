@@ -47,7 +47,7 @@ def output_file(path: str, flag: str, inputs: dict[str, str] = {}) -> None:
     if path.endswith(("/", os.sep)):
         raise TailtamerError(f"{flag} {path} ends with a '/', as a directory does; give a file path")
     _clear_of_inputs(p, flag, path, inputs, "would overwrite")
-    owner = p.is_file() and owned_by(p.resolve())
+    owner = owned_by(p.resolve())
     if owner:
         raise TailtamerError(f"{flag} {path} would replace {owner}; give a path outside it")
     _writable_dir(p.parent, flag, path)
@@ -59,11 +59,12 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "mo
 
 
 def owned_by(path: Path) -> str | None:
-    """What owns the file at `path` when an output must not replace it: a model or drafter
-    directory (config.json beside safetensors weights) or a training run (config.yaml beside
-    metrics.jsonl), for the files each keeps (a run's checkpoints, drafter and loggers'
-    directories included); None for any other file, which an output replaces as asked (a
-    command run again into the same --out, a file of the user's beside a run)."""
+    """What owns `path`, an existing file or one to be written, when an output must not be
+    there: a model or drafter directory (config.json beside safetensors weights) or a training
+    run (config.yaml beside metrics.jsonl), for the files each keeps or will write (a run's
+    checkpoints, drafter and loggers' directories included); None for any other file, which an
+    output replaces as asked (a command run again into the same --out, a file of the user's
+    beside a run)."""
     model = path.parent
     if (path.name in MODEL_FILES or path.suffix == ".safetensors") and (model / "config.json").is_file() \
             and any(model.glob("*.safetensors")):
@@ -73,11 +74,9 @@ def owned_by(path: Path) -> str | None:
 
 
 def run_holding(path: Path) -> Path | None:
-    """The training run directory whose own files (`RUN_FILES`, `RUN_DIRS`) hold the existing
-    `path` (a checkpoint, its metrics), or None; relative to the working directory when `path`
-    is given so."""
-    if not path.exists():
-        return None
+    """The training run directory whose own files (`RUN_FILES`, `RUN_DIRS`) hold `path` (a
+    checkpoint, its metrics, or where the run would write them), or None; relative to the
+    working directory when `path` is given so."""
     real = Path(os.path.realpath(path))  # `..` and links resolved, as the file system reads them
     for directory in real.parents:
         if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists() \
@@ -101,6 +100,10 @@ def fresh_output_dir(path: str, flag: str, ours: tuple[str, ...] = (), inputs: d
         raise TailtamerError(f"{flag} is empty; give a directory to create")
     p = Path(path)
     _clear_of_inputs(p, flag, path, inputs, "would write into")
+    run = run_holding(p)
+    if run is not None:
+        raise TailtamerError(f"{flag} {path} is where the training run {run} keeps its own files; give a directory "
+                             f"outside them")
     if p.exists() and not p.is_dir():
         raise TailtamerError(f"{flag} {path} is {'a file' if p.is_file() else 'not a directory'}; give a directory "
                              f"to create")

@@ -56,7 +56,8 @@ def test_bench_never_writes_over_its_model(model_dir, tmp_path, capsys):
 
 def test_an_output_never_replaces_a_file_of_another_model_or_run(model_dir, tmp_path, capsys):
     """`task --out` or `generate --out` naming a file of a model other than the inputs (or of a
-    training run) replaced it: the model no longer loaded. An output ending in '/' wrote a file."""
+    training run) replaced it: the model no longer loaded. A file the run has yet to write is its
+    too. An output ending in '/' wrote a file."""
     other, run = tmp_path / "other-model", tmp_path / "runs" / "r"
     shutil.copytree(model_dir, other)
     run.mkdir(parents=True)
@@ -65,7 +66,9 @@ def test_an_output_never_replaces_a_file_of_another_model_or_run(model_dir, tmp_
     before = {p: p.read_bytes() for p in [*other.iterdir(), *run.iterdir()]}
     for out, owner in ((other / "model.safetensors", f"the model or drafter {other}"),
                        (other / "config.json", f"the model or drafter {other}"),
-                       (run / "metrics.jsonl", f"the training run {run}")):
+                       (run / "metrics.jsonl", f"the training run {run}"),
+                       (run / "summary.json", f"the training run {run}"),  # not written yet: the run's to write
+                       (run / "checkpoints" / "step-9" / "x.json", f"the training run {run}")):
         _one_line_error(capsys, f"would replace a file of {owner}", main(["task", "--out", str(out), "--n", "2"]))
         code = main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out", str(out)])
         _one_line_error(capsys, f"would replace a file of {owner}", code)

@@ -402,6 +402,27 @@ def test_bad_arguments_of_other_commands(tmp_path, capsys, argv, message):
     assert (tmp_path / "file").read_text() == "precious" and (tmp_path / "full" / "config.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("argv", [
+    ["drafter", "train", "--model", "{tmp}/full", "--data", "builtin", "--out", "{tmp}/run/drafter"],
+    ["init-model", "--preset", "tiny", "--out", "{tmp}/run/checkpoints/step-9"],
+    ["demo", "--out", "{tmp}/run/tensorboard"],
+])
+def test_a_directory_a_run_keeps_is_no_other_commands_output(tmp_path, capsys, argv):
+    """A training run writes its drafter, checkpoints and loggers' files at their names in its
+    directory, whether or not they exist yet (a run with SD off has no drafter/)."""
+    (tmp_path / "full").mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("run: {name: run}\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    out = argv[argv.index("--out") + 1].format(tmp=tmp_path)
+    assert err == f"error: --out {out} is where the training run {run} keeps its own files; give a directory outside " \
+                  f"them\n", err
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
 def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path):
     """`tailtamer train --help-config | head -c0`: the reader is gone before the listing is
     written; the command ends as a process ended by SIGPIPE, with nothing on stderr."""
