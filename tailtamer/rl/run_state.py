@@ -101,15 +101,23 @@ def check_startable(cfg: TrainConfig, resume: Path | None, world: int) -> None:
     check_builtin_fits(cfg, machine_share(available_memory("cpu"), world))
 
 
+def saved_drafter(checkpoint: Path | None) -> Path | None:
+    """The drafter a run resumed from `checkpoint` goes on with (its `drafter/`), or None."""
+    return checkpoint / "drafter" if checkpoint is not None and (checkpoint / "drafter").is_dir() else None
+
+
+def reads_spec_drafter(cfg: TrainConfig, saved: Path | None, world: int) -> bool:
+    """Whether a run loads spec.drafter: to draft with, unless it resumes with the drafter it
+    saved (`saved`), and as the frozen drafter the trained one is compared with."""
+    return cfg.spec.eagle and (saved is None or (cfg.spot.compare_frozen and cfg.spot.trains(True, world)))
+
+
 def check_inputs(cfg: TrainConfig, checkpoint: Path | None = None, world: int = 1) -> None:
     """The model, drafter, data and reward files a run reads are there, each named by its
     field, before anything loads (a worker would find them only after the launcher's set-up).
-    A run resumed from `checkpoint` goes on with the drafter it saved there, and reads
-    spec.drafter only as the frozen one the trained drafter is compared with."""
-    drafter, spot = cfg.spec.drafter, cfg.spot
-    saved = checkpoint is not None and (checkpoint / "drafter").is_dir()
-    reads_drafter = cfg.spec.eagle and drafter != "builtin" and (
-        not saved or (spot.compare_frozen and spot.trains(True, world)))
+    A run resumed from `checkpoint` reads spec.drafter as `reads_spec_drafter` says."""
+    drafter = cfg.spec.drafter
+    reads_drafter = drafter != "builtin" and reads_spec_drafter(cfg, saved_drafter(checkpoint), world)
     target = None
     if cfg.run.model is not None:
         check_run_model(cfg.run.model)
@@ -246,7 +254,7 @@ def setup(cfg: TrainConfig, resume: Path | None = None, log=print, workers: Work
         optimizer, scheduler = make_opt(model)
     sharding.policy.grad_checkpointing = cfg.rl.grad_checkpointing
     ref_model = load_model(model_dir, dtype, device).requires_grad_(False) if cfg.rl.kl_coef > 0 else None
-    resumed_drafter = checkpoint / "drafter" if resume is not None and (checkpoint / "drafter").is_dir() else None
+    resumed_drafter = saved_drafter(checkpoint if resume is not None else None)
     vllm_log = (run_dir / VLLM_LOG, f"worker {workers.rank} ") if run_dir.is_dir() else (None, "")
     history = None
     if cfg.rollout.backend == "tailtamer":  # each worker keeps its own, in the machine's memory
