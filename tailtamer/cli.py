@@ -18,6 +18,7 @@ from tailtamer.errors import DataError, TailtamerError
 from tailtamer.generate import cmd_generate
 from tailtamer.outputs import CREATED, fresh_output_dir, output_file
 from tailtamer.rollout.speculator import GPU_BS_THRESHOLD, SpecConfig
+from tailtamer.rollout.vllm_backend import VLLMConfig
 from tailtamer.stopping import CLOSED_PIPE, Interrupted, Terminated, sigterm_stops_at_once, stdout_closed
 
 # Which benchmarks each `bench` flag is for
@@ -329,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the default) or fixed (--strategy)")
     g.add_argument("--compile", action="store_true", help="EAGLE: compile the draft chains (spec.compile); with "
                                                           "--backend vllm, vLLM compiles its model (vllm.compile)")
+    g.add_argument("--kv-cache-gb", type=float, help=f"--backend vllm: vLLM's KV cache, GiB (vllm.kv_cache_gb; "
+                                                     f"default {VLLMConfig().kv_cache_gb:g})")
 
     dr = sub.add_parser("drafter", help="drafter tools")
     dsub = dr.add_subparsers(dest="drafter_command", required=True, parser_class=_Parser, metavar="COMMAND")

@@ -30,9 +30,9 @@ def sampling_flagged(e: ConfigError) -> ConfigError:
 
 
 def flagged(e: ConfigError) -> ConfigError:
-    """`generate`'s spec errors, named by the flags that set the fields there."""
+    """`generate`'s spec and vLLM errors, named by the flags that set the fields there."""
     named = re.sub(r"\bspec\.(\w+)", lambda m: SPEC_FLAGS.get(m[1], m[0]), str(e))
-    return ConfigError(named.replace("rollout.backend", "--backend"))
+    return ConfigError(named.replace("rollout.backend", "--backend").replace("vllm.kv_cache_gb", "--kv-cache-gb"))
 
 
 def check_spec_flags(args) -> None:
@@ -78,8 +78,12 @@ def cmd_generate(args) -> None:
             check_strategies(spec)
             if args.dtype == "float64":
                 raise ConfigError("--dtype float64: vLLM runs float32 or bfloat16")
+            vllm_cfg = VLLMConfig(dtype=args.dtype, compile=args.compile,
+                                  **({} if args.kv_cache_gb is None else {"kv_cache_gb": args.kv_cache_gb}))
             require_vllm("--backend vllm")
         else:
+            if args.kv_cache_gb is not None:
+                raise ConfigError("--kv-cache-gb sizes vLLM's KV cache (--backend vllm); our engine sizes its own")
             check_engine_drafter(spec)
     except ConfigError as e:
         raise flagged(e) from None
@@ -102,16 +106,22 @@ def cmd_generate(args) -> None:
         check_drafter_dir(spec.drafter, f"--drafter {spec.drafter}")
     inputs = {"--prompts": args.prompts, "--model": args.model, **({"--drafter": spec.drafter} if spec.eagle else {})}
     output_file(args.out, "--out", inputs)
+    vllm_log = Path(args.out).with_suffix(".vllm.log")
+    if vllm:
+        output_file(str(vllm_log), "--out's vLLM log", inputs)
     if args.stats:
-        output_file(args.stats, "--stats", {**inputs, "--out": args.out})
+        output_file(args.stats, "--stats", {**inputs, "--out": args.out, **({"--out's vLLM log": str(vllm_log)}
+                                                                            if vllm else {})})
     model, tokenizer = load_pretrained(args.model, args.dtype, device)
     rows, prompts = load_prompts(args.prompts, tokenizer)
     check_responses_fit(len(prompts), args.n, args.max_new_tokens, "lower --n or --max-new-tokens, or split --prompts")
     if args.backend == "vllm":
         drafter = load_drafter(spec.drafter, model) if spec.eagle else None
-        engine = VLLMBackend(args.model, model, tokenizer, spec, bias_free(drafter),
-                             VLLMConfig(dtype=args.dtype, compile=args.compile), args.max_batch_size,
-                             log_file=Path(args.out).with_suffix(".vllm.log"))
+        try:
+            engine = VLLMBackend(args.model, model, tokenizer, spec, bias_free(drafter), vllm_cfg, args.max_batch_size,
+                                 log_file=vllm_log)
+        except ConfigError as e:
+            raise flagged(e) from None
     else:
         try:
             speculator = make_speculator(spec, model)

@@ -20,9 +20,13 @@ Exact pieces (tested against real tensors):
                                     per tensor
   rollout_copy  P·b when N > 1      FSDP shards only the update's copy: every worker keeps the whole
                                     policy for its engine, old log-probs and checkpoints
+                + (P + D)·e'        on rollout.backend=vllm: vLLM's own copy of the policy and the
+                                    drafter, in its dtype e' (vllm.dtype)
   reference     P·c                 the frozen reference model (rl.kl_coef > 0), loaded in run.dtype
   kv_cache      2·L·slots·len·kv·e  the engine's static cache (e: its bytes per element, the engine's
-                                    model's dtype); kept between steps, so live during the update too
+                                    model's dtype); kept between steps, so live during the update too;
+                                    on rollout.backend=vllm, vllm.kv_cache_gb (vLLM allocates that,
+                                    the drafter's layer included, and the drafter has no state of ours)
   drafter       the EAGLE drafter: its own weights D·b (D = fc 2H·H + H and one decoder layer without
                 input norm; embedding and LM head are the policy's) + its rollout state (features
                 slots·d·H·b, next tokens slots·d·8, a one-layer KV cache of 2·d rows per slot, d the
@@ -234,7 +238,7 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
              seq_len: int | None = None, entropy: bool = False, attention_scores: bool | None = None,
              prefill_tokens: int = 0, prefill_rows: int = 0, decode_rows: int | None = None, drafter_cache_len: int | None = None,
              drafter_buffer_bytes: int = 0, drafter_tokens: int = 512, drafter_frozen: bool = False,
-             requests: int = 0) -> dict[str, int]:
+             requests: int = 0, vllm_cache: int = 0, vllm_weight_bytes: int = 0) -> dict[str, int]:
     """Bytes per worker of each piece and the total (module docstring: formulas and what is
     exact). `compute_bytes`: the precision of the training forwards (autocast; default the
     weights'), also the reference model's. `seq_len` is the widest sample of the update
@@ -242,7 +246,9 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
     `attention_scores` None: counted for float32 compute. `prefill_tokens` / `prefill_rows` /
     `decode_rows`: the largest prefill (prompts x their width, and its prompts) and decode step
     (rows x tokens verified; default `slots`) of the rollout. `drafter_cache_len`: the length the EAGLE proposer
-    reserves (default `cache_len`). `requests`: the step's requests, each up to `cache_len` tokens."""
+    reserves (default `cache_len`). `requests`: the step's requests, each up to `cache_len` tokens.
+    `vllm_cache` > 0: the rollout runs on vLLM, with this KV cache and its weights in
+    `vllm_weight_bytes`."""
     if shard_world < 1:
         raise ValueError(f"shard_world must be >= 1, got {shard_world}")
     cfg, b, N = model_cfg, weight_bytes, shard_world
@@ -263,9 +269,9 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
         "master": _shard(P * 4, N) if master else 0,
         "grads": _shard(P * state_bytes, N),
         "optimizer": _shard(2 * P * state_bytes, N) + 4 * n,
-        "rollout_copy": P * b if N > 1 else 0,
+        "rollout_copy": (P * b if N > 1 else 0) + P * vllm_weight_bytes,
         "reference": P * c if reference else 0,
-        "kv_cache": kv_cache_bytes(cfg, slots, cache_len, cache_bytes),
+        "kv_cache": vllm_cache or kv_cache_bytes(cfg, slots, cache_len, cache_bytes),
         "drafter": 0,
         "samples": requests * cache_len * SAMPLE_TOKEN_BYTES + noise_table_bytes(requests, cfg.vocab_size),
         "update_weights": casts + gathered,
@@ -278,16 +284,19 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
     if drafter:
         D, d = drafter_parameters(cfg), cache_len if drafter_cache_len is None else drafter_cache_len
         state = slots * d * (cfg.hidden_size * b + 8) + kv_cache_bytes(cfg, slots, 2 * d, cache_bytes, layers=1)
-        est["drafter"] = D * b + state
+        est["drafter"] = D * b + (0 if vllm_cache else state)
+        est["rollout_copy"] += D * vllm_weight_bytes
         if drafter_trains:
             est["drafter"] += D * b + adamw_bytes(D, drafter_tensors(cfg), b) + drafter_buffer_bytes \
                 + (D * b if drafter_frozen else 0)
             phases["drafter_training"] = _drafter_training_bytes(cfg, b, max(drafter_tokens, seq_len), scores)
     est["rollout_activations"] = rollout = max(phases.values())
+    engine_weights = est["rollout_copy"] - (P * b if N > 1 else 0)
     persistent = sum(est[k] for k in PERSISTENT)
     est["total"] = persistent + max(rollout, est["update_weights"] + est["activations"] + est["logits"])
     est.update(phases, slots=slots, cache_len=cache_len, seq_len=seq_len, tokens=tokens, shard_world=N,
-               grad_checkpointing=int(grad_checkpointing), weight_bytes=b, compute_bytes=c)
+               grad_checkpointing=int(grad_checkpointing), weight_bytes=b, compute_bytes=c, vllm=int(vllm_cache > 0),
+               vllm_weights=engine_weights)
     return est
 
 
@@ -341,6 +350,10 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
         decode_rows = max(slots, spec.most_verified(slots, device_type))
     eagle = spec.eagle
     trains = spot.trains(eagle, world)
+    vllm = {}
+    if getattr(roll, "backend", "tailtamer") == "vllm":
+        dtype = cfg.vllm.dtype if cfg.vllm.dtype != "auto" else "float32" if device_type == "cpu" else "bfloat16"
+        vllm = {"vllm_cache": int(cfg.vllm.kv_cache_gb * (1 << 30)), "vllm_weight_bytes": DTYPE_BYTES[dtype]}
     return estimate(
         model_cfg, weight_bytes=weight_bytes, master_fp32=master_fp32, compute_bytes=dtype_bytes, slots=slots,
         cache_len=seq + verify, cache_bytes=weight_bytes,
@@ -352,7 +365,7 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
         drafter_cache_len=seq + max(verify, draft_rows) + 1,
         drafter_buffer_bytes=spot.buffer_mb << 20 if trains else 0, drafter_tokens=spot.tokens_per_step,
         drafter_frozen=trains and spot.compare_frozen, attention_scores=None if device_type == "cuda" else False,
-        requests=requests)
+        requests=requests, **vllm)
 
 
 # --- reporting and the refusal --------------------------------------------------------------------
@@ -389,6 +402,8 @@ def size(n: int) -> str:
 
 
 def _kv(est: dict) -> str:
+    if est["vllm"]:
+        return f"{size(est['kv_cache'])} (vLLM's, vllm.kv_cache_gb)"
     return f"{size(est['kv_cache'])} ({est['slots']:,} slots x {est['cache_len']:,} tokens)"
 
 
@@ -399,8 +414,9 @@ def format_estimate(est: dict, available: int | None = None) -> str:
     total 10.0 GiB of 139.0 GiB`."""
     policy = size(est["policy"])
     if est["shard_world"] > 1:
-        policy += f" (1/{est['shard_world']} shard; + {size(est['rollout_copy'])} whole copy for the engine)"
-    parts = [f"policy {policy}"]
+        policy += (f" (1/{est['shard_world']} shard; + {size(est['rollout_copy'] - est['vllm_weights'])} whole copy "
+                   f"for the engine)")
+    parts = [f"policy {policy}"] + ([f"vLLM's weights {size(est['vllm_weights'])}"] if est["vllm"] else [])
     if est["master"]:
         parts.append(f"fp32 master {size(est['master'])}")
     update = (f"update {size(est['activations'])} activations + {size(est['logits'])} logits "
@@ -417,6 +433,8 @@ def format_estimate(est: dict, available: int | None = None) -> str:
 
 def _advice(est: dict, piece: str) -> str:
     bf16 = est["compute_bytes"] >= 4  # run.dtype=bfloat16 would shrink activations and the reference
+    if piece == "kv_cache" and est["vllm"]:
+        return "lower vllm.kv_cache_gb (vLLM then runs fewer requests at once)"
     if piece == "kv_cache":
         ahead = est["cache_len"] - est["seq_len"]  # rows an SD verify holds past a request's end
         arms = (f"; most of each slot's rows are the {ahead:,} tokens a verify holds past a request's end: lower "
@@ -446,6 +464,8 @@ def _advice(est: dict, piece: str) -> str:
     if piece == "update_weights":
         return ("set run.dtype=float32 (autocast keeps 16-bit copies of the weights for the backward)"
                 if est["compute_bytes"] < est["weight_bytes"] else "start more workers with run.shard=fsdp")
+    if piece == "rollout_copy" and est["vllm"]:
+        return "set vllm.dtype=bfloat16 (vLLM's copy of the policy and the drafter), or use rollout.backend=tailtamer"
     if piece == "rollout_copy":
         return ("no setting shrinks it (every worker keeps the whole policy for its engine): use a device with more "
                 "memory or a smaller model")

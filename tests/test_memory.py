@@ -139,6 +139,26 @@ def test_estimate_for_gives_the_cache_the_engine_allocates(world):
     assert est["reference"] == est["drafter"] == est["master"] == est["rollout_copy"] == 0
 
 
+def test_on_vllm_the_kv_cache_is_vllms_and_its_weights_are_counted():
+    """rollout.backend=vllm allocates vllm.kv_cache_gb (not our engine's slots), keeps its own
+    copy of the policy and the drafter in its dtype, and the refusal names vllm.kv_cache_gb."""
+    model_cfg = tiny_config()
+    P, D = model_cfg.num_parameters(), memory.drafter_parameters(model_cfg)
+    ours = estimate_for(_train_config("spec.mode=on", "spec.drafter=/a/drafter", "spec.strategy=4_1_5"), model_cfg,
+                        device_type="cpu")
+    for dtype, e in (("auto", 4), ("bfloat16", 2)):
+        cfg = _train_config("spec.mode=on", "spec.drafter=/a/drafter", "spec.strategy=4_1_5", "rollout.backend=vllm",
+                            "vllm.kv_cache_gb=3", f"vllm.dtype={dtype}")
+        est = estimate_for(cfg, model_cfg, device_type="cpu")
+        assert est["kv_cache"] == 3 * GiB and est["rollout_copy"] == est["vllm_weights"] == (P + D) * e
+        assert est["drafter"] == D * 4 < ours["drafter"]  # its weights, without our proposer's rollout state
+        line = format_estimate(est)
+        assert "KV cache 3.0 GiB (vLLM's, vllm.kv_cache_gb)" in line and "vLLM's weights" in line
+        message = _refusal(est, 2 * GiB)
+        assert "KV cache" in message and "lower vllm.kv_cache_gb" in message and "slots" not in message
+    assert "vLLM" not in format_estimate(ours) and ours["vllm_weights"] == 0
+
+
 def test_estimate_for_counts_evaluation_requests_and_the_context():
     cfg = _train_config("run.eval_every=5", "data.n_eval=20", "rollout.max_new_tokens=300")
     model_cfg = tiny_config(max_position_embeddings=64)

@@ -235,7 +235,10 @@ GENERATE_ON_VLLM = ["generate", "--backend", "vllm", "--model", "m", "--prompts"
 @pytest.mark.parametrize("command,message", [
     (["train", "rollout.backend=vllm", "spec.drafter=suffix", "run.out_dir=runs"], "spec.drafter=suffix runs on "),
     (GENERATE_ON_VLLM + ["--spec", "on", "--drafter", "suffix"], "--drafter=suffix runs on "),
-    (GENERATE_ON_VLLM + ["--dtype", "float64"], "--dtype float64: vLLM runs float32 or bfloat16")])
+    (GENERATE_ON_VLLM + ["--dtype", "float64"], "--dtype float64: vLLM runs float32 or bfloat16"),
+    (GENERATE_ON_VLLM + ["--kv-cache-gb", "0"], "--kv-cache-gb must be > 0"),
+    (["generate"] + GENERATE_ON_VLLM[3:] + ["--kv-cache-gb", "2"],  # --backend tailtamer
+     "--kv-cache-gb sizes vLLM's KV cache")])
 def test_what_vllm_cannot_run_is_refused_whether_or_not_vllm_is_installed(tmp_path, command, message):
     """What vLLM cannot run is said first: installing vLLM would not make it run."""
     done = subprocess.run([sys.executable, "-m", "tailtamer", *command], capture_output=True, text=True, cwd=tmp_path)

@@ -5,6 +5,8 @@ installed. Engines are started once per module (~10 s each on 2 cores) and share
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,6 +77,28 @@ def sd(world):
 
 def _ids(completions):
     return [c.token_ids for c in completions]
+
+
+def test_a_kv_cache_too_small_for_one_request_names_vllm_kv_cache_gb(world):
+    """vLLM's own refusal named gpu_memory_utilization, which the explicit cache size overrides.
+    (First in the module: the failed start runs before the shared engines start.)"""
+    model, drafter, root = world
+    spec = SpecConfig(mode="on", drafter=str(root / "drafter"), strategy="4_1_5")
+    context = model.config.max_position_embeddings
+    with pytest.raises(ConfigError, match=rf"^vllm.kv_cache_gb=1e-05 cannot hold one request of the model's context "
+                                          rf"\({context} tokens, about \d+ KiB of keys and values\): raise it$"):
+        VLLMBackend(root / "model", model, None, spec, drafter, VLLMConfig(kv_cache_gb=1e-5), 16)
+
+
+def test_generate_writes_vllms_log_over_none_of_its_other_files(tmp_path):
+    for flags, message in ((["--stats", "o.vllm.log"], "--stats o.vllm.log would overwrite --out's vLLM log "),
+                           (["--prompts", "q.vllm.log", "--out", "q.jsonl"],
+                            "--out's vLLM log q.vllm.log would overwrite --prompts q.vllm.log")):
+        command = ["generate", "--backend", "vllm", "--model", "m", "--prompts", "p.jsonl", "--out", "o.jsonl", *flags]
+        done = subprocess.run([sys.executable, "-m", "tailtamer", *command], capture_output=True, text=True,
+                              cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr.startswith(f"error: {message}"), done.stderr
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_greedy_output_is_our_engines_with_sd_off_and_on(world, plain, sd):
@@ -258,6 +282,35 @@ def _random_prompts(count, length, seed):
 
 def _token_budget(backend) -> int:
     return backend.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+
+
+def _default_budget() -> int:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    return EngineArgs.get_batch_defaults(world_size=1)[0][UsageContext.LLM_CLASS]
+
+
+@pytest.fixture(scope="module")
+def wide(world):
+    """SD off, for one request more than vLLM schedules tokens a step by default. Closed with
+    the module's other engines: closing one engine tears down the process's parallel state,
+    which the others still use."""
+    model, _, root = world
+    backend = VLLMBackend(root / "model", model, None, SpecConfig(mode="off"), None, VLLMConfig(kv_cache_gb=0.01),
+                          _default_budget() + 1)
+    yield backend
+    backend.close()
+
+
+def test_a_batch_size_above_vllms_token_budget_raises_the_budget(world, plain, wide):
+    """rollout.max_batch_size above the tokens vLLM schedules a step by default (4,096 on a CPU)
+    failed in vLLM's config validation, naming no field; the budget now rises to it, and
+    stays vLLM's own below it."""
+    assert _token_budget(plain) == max(_default_budget(), world[0].config.max_position_embeddings)
+    assert _token_budget(wide) == _default_budget() + 1
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    assert _ids(wide.generate(PROMPTS, greedy)[0]) == _ids(plain.generate(PROMPTS, greedy)[0])
 
 
 def test_a_step_beyond_one_engine_steps_token_budget_samples_repeatably(world, plain):

@@ -71,6 +71,9 @@ VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more, once the engin
 # Relative differences a published layer may show in the engine's dtype (float32 kernels
 # round in another order than ours; bfloat16 keeps 8 bits).
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+# How vLLM's start says that its KV cache cannot hold one request of the model's context; it
+# names gpu_memory_utilization, which tailtamer's explicit cache size overrides.
+KV_CACHE_TOO_SMALL = ("No available memory for the cache blocks", "To serve at least one request")
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,29 @@ def initial_table(depths: list[int], max_batch_size: int) -> list[list[int]]:
     generate() rewrites the table at every step."""
     table = [[i + 1, i + 1, k] for i, k in enumerate(depths[:max_batch_size])]
     return table + [[len(table) + 1, max_batch_size, 0]] if len(table) < max_batch_size else table
+
+
+def kv_cache_too_small(cfg: VLLMConfig, model_cfg, drafts: bool, dtype: torch.dtype) -> str:
+    """The refusal of a vllm.kv_cache_gb below one request of the model's whole context, with
+    what that request's keys and values take (the target's layers and the drafter's)."""
+    from tailtamer.memory import kv_cache_bytes, size
+
+    need = kv_cache_bytes(model_cfg, 1, model_cfg.max_position_embeddings, dtype.itemsize,
+                          layers=model_cfg.num_hidden_layers + int(drafts))
+    return (f"vllm.kv_cache_gb={cfg.kv_cache_gb:g} cannot hold one request of the model's context "
+            f"({model_cfg.max_position_embeddings:,} tokens, about {size(need)} of keys and values): raise it")
+
+
+def token_budget(max_batch_size: int, max_model_len: int) -> dict:
+    """vLLM's max_num_batched_tokens where its default for this machine (4,096 on a CPU) is
+    below rollout.max_batch_size, which vLLM refuses (every running request schedules a token
+    a step): raised to the batch size, and to the context where prompts are prefilled whole.
+    Elsewhere vLLM keeps its own."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    default = EngineArgs.get_batch_defaults(world_size=1)[0].get(UsageContext.LLM_CLASS, 0)
+    return {} if max_batch_size <= default else {"max_num_batched_tokens": max(max_batch_size, max_model_len)}
 
 
 def bias_free(drafter):
@@ -287,10 +313,12 @@ class VLLMBackend:
         try:
             self._start(vllm, model_dir, spec, drafter, cfg, max_batch_size, seed, device_type)
         except BaseException as e:
-            note = self._log_note()
+            note, drafts = self._log_note(), self._dir is not None
             self.close()
             if isinstance(e, (ConfigError, KeyboardInterrupt)):
                 raise
+            if str(e).startswith(KV_CACHE_TOO_SMALL):
+                raise ConfigError(kv_cache_too_small(cfg, model.config, drafts, self.dtype)) from None
             raise RolloutBackendError(f"vLLM could not start on {model_dir}: {_first_line(e)}{note}") from None
 
     def _start(self, vllm, model_dir, spec, drafter, cfg: VLLMConfig, max_batch_size: int, seed: int,
@@ -322,6 +350,7 @@ class VLLMBackend:
                             # chunk's dropped sample (a CPU's), prompts are prefilled whole
                             enable_chunked_prefill=generators_rewind(self.model.device),
                             disable_log_stats=False, speculative_config=speculative,
+                            **token_budget(max_batch_size, self.max_seq_len),
                             # VLLMLog's handler stays: vLLM's own set-up would replace it
                             logging_config=LoggingConfig(configure_logging=False, pylogging_config_file=None))
         if device_type == "cpu" and speculative is not None:
