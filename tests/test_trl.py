@@ -176,6 +176,29 @@ def test_a_call_that_is_not_trls_is_one_line():
             rollout(prompts, trainer)
 
 
+@pytest.mark.parametrize("prompts,row,shown,first", [
+    (["a", None], 1, "None", ", as row 0 is text"),
+    (["a", [{"role": "user", "content": "b"}]], 1, "\\[\\{'role'", ", as row 0 is text"),
+    ([[{"role": "user", "content": "a"}], "b"], 1, "'b'", ", as row 0 is a chat"),
+    ([[{"role": "user", "content": "a"}], []], 1, "\\[\\]", ", as row 0 is a chat"),
+    ([[{"content": "a"}]], 0, "\\[\\{'content'", ""),
+    ([{"role": "user", "content": "a"}], 0, "\\{'role'", ""),
+    ([7, 8], 0, "7", ""),
+])
+def test_malformed_prompt_rows_are_named_before_anything_runs(prompts, row, shown, first):
+    """They raised the tokenizer's or the chat template's own errors, after the engine was built."""
+    from types import SimpleNamespace
+
+    from tailtamer.errors import DataError
+
+    rollout = TLTRollout(spec="off", drafter=None)
+    trainer = SimpleNamespace(accelerator=None)  # reached only past the check
+    with pytest.raises(DataError, match=rf"^TLTRollout call 1, prompt row {row}: {shown}.*; a batch's prompts are "
+                                        rf"all text or all chats \(lists of .* messages\){first}$"):
+        rollout(prompts, trainer)
+    assert rollout.engine is None
+
+
 def test_suffix_drafts_on_vllm_are_refused_for_what_they_are(monkeypatch):
     """Not for vLLM's default arms (EAGLE chains), which the user never wrote, as before."""
     import tailtamer.integrations.trl as trl

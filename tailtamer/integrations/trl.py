@@ -47,7 +47,7 @@ import torch
 from tailtamer.dist import Workers
 from tailtamer.drafter.adaptive import AdaptiveDrafter
 from tailtamer.drafter.spot import SpotConfig
-from tailtamer.errors import ConfigError, TailtamerError
+from tailtamer.errors import ConfigError, DataError, TailtamerError
 from tailtamer.model.config import ARCHITECTURES, ModelConfig
 from tailtamer.model.drafter import load_drafter, weights_checksum
 from tailtamer.model.io import IGNORED_SUFFIXES, from_hf_key, model_from_hf_state, save_model, token_ids
@@ -155,6 +155,7 @@ class TLTRollout:
         if not isinstance(prompts, list) or not prompts or not hasattr(trainer, "accelerator"):
             raise ConfigError(f"TLTRollout is called by TRL's GRPOTrainer with a non-empty list of prompts and the "
                               f"trainer, got {type(prompts).__name__} and {type(trainer).__name__}")
+        check_prompt_rows(prompts, self.calls + 1)
         policy = trainer.accelerator.unwrap_model(trainer.model)
         if self.engine is None:
             self.engine = self._build(policy, trainer)
@@ -398,6 +399,21 @@ def generation_settings(trainer) -> dict:
         kwargs = {**{key: getattr(args, key) for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                      if hasattr(args, key)}, **(getattr(args, "generation_kwargs", None) or {})}
     return {key: value for key, value in kwargs.items() if value is not None}  # None: unset, as transformers reads it
+
+
+def check_prompt_rows(prompts: list, call: int) -> None:
+    """Every prompt text, or every one a chat (a list of message dicts with a role), as TRL's
+    own generation renders them: another row is named by its index in TRL's batch, not left to
+    a tokenizer's error."""
+    chat = isinstance(prompts[0], list)
+    for i, prompt in enumerate(prompts):
+        ok = (isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
+              if chat else isinstance(prompt, str))
+        if not ok:
+            shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:57] + "..."
+            first = f", as row 0 is {'a chat' if chat else 'text'}" if i else ""
+            raise DataError(f"TLTRollout call {call}, prompt row {i}: {shown}; a batch's prompts are all text or all "
+                            f"chats (lists of {{'role': ..., 'content': ...}} messages){first}")
 
 
 def end_of_sequence(ids) -> tuple[int, ...]:
