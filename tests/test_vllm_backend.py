@@ -81,12 +81,13 @@ def _ids(completions):
 
 def test_a_kv_cache_too_small_for_one_request_names_vllm_kv_cache_gb(world):
     """vLLM's own refusal named gpu_memory_utilization, which the explicit cache size overrides.
-    (First in the module: the failed start runs before the shared engines start.)"""
+    One request: 256 tokens x (2 layers + the drafter's) x 1 KV head of 32 x 4 bytes x keys and
+    values = 0.1875 MiB. (First in the module: the failed start runs before the shared engines.)"""
     model, drafter, root = world
     spec = SpecConfig(mode="on", drafter=str(root / "drafter"), strategy="4_1_5")
     context = model.config.max_position_embeddings
     with pytest.raises(ConfigError, match=rf"^vllm.kv_cache_gb=1e-05 cannot hold one request of the model's context "
-                                          rf"\({context} tokens, about \d+ KiB of keys and values\): raise it$"):
+                                          rf"\({context} tokens, about 0.188 MiB of keys and values\): raise it$"):
         VLLMBackend(root / "model", model, None, spec, drafter, VLLMConfig(kv_cache_gb=1e-5), 16)
 
 

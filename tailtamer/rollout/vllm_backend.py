@@ -166,12 +166,12 @@ def initial_table(depths: list[int], max_batch_size: int) -> list[list[int]]:
 def kv_cache_too_small(cfg: VLLMConfig, model_cfg, drafts: bool, dtype: torch.dtype) -> str:
     """The refusal of a vllm.kv_cache_gb below one request of the model's whole context, with
     what that request's keys and values take (the target's layers and the drafter's)."""
-    from tailtamer.memory import kv_cache_bytes, size
-
-    need = kv_cache_bytes(model_cfg, 1, model_cfg.max_position_embeddings, dtype.itemsize,
-                          layers=model_cfg.num_hidden_layers + int(drafts))
+    layers = model_cfg.num_hidden_layers + int(drafts)
+    need = 2 * layers * model_cfg.max_position_embeddings * model_cfg.num_key_value_heads * model_cfg.head_size \
+        * dtype.itemsize
     return (f"vllm.kv_cache_gb={cfg.kv_cache_gb:g} cannot hold one request of the model's context "
-            f"({model_cfg.max_position_embeddings:,} tokens, about {size(need)} of keys and values): raise it")
+            f"({model_cfg.max_position_embeddings:,} tokens, about {need / (1 << 20):.3g} MiB of keys and values): "
+            f"raise it")
 
 
 def token_budget(max_batch_size: int, max_model_len: int) -> dict:
