@@ -51,7 +51,7 @@ def cmd_train(args) -> None:
             raise TailtamerError("--resume takes its config from the run directory; give only key=value overrides")
         path = resume / "config.yaml"
         if not path.is_file():
-            run = run_holding(resume)
+            run = run_holding(resume) if resume.exists() else None
             if run is not None:  # a checkpoint or other file of a run
                 latest = run / "checkpoints" / "latest"
                 pick = (f"; to resume from {resume.name}, write its name into {latest}"

@@ -75,11 +75,15 @@ def owned_by(path: Path) -> str | None:
 
 def run_holding(path: Path) -> Path | None:
     """The training run directory whose own files (`RUN_FILES`, `RUN_DIRS`) hold `path` (a
-    checkpoint, its metrics, or where the run would write them), or None; relative to the
-    working directory when `path` is given so."""
+    checkpoint, its metrics, or where the run would write them: a path that does not exist yet
+    counts where the directory also holds the run's `.lock`, so that a project's folder with a
+    config.yaml and a metrics.jsonl of its own is no run), or None; relative to the working
+    directory when `path` is given so."""
     real = Path(os.path.realpath(path))  # `..` and links resolved, as the file system reads them
+    exists = path.exists()
     for directory in real.parents:
         if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists() \
+                and (exists or (directory / ".lock").is_file()) \
                 and real.relative_to(directory).parts[0] in (*RUN_FILES, *RUN_DIRS):
             return directory if path.is_absolute() else Path(os.path.relpath(directory))
     return None

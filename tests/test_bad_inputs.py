@@ -63,6 +63,7 @@ def test_an_output_never_replaces_a_file_of_another_model_or_run(model_dir, tmp_
     run.mkdir(parents=True)
     (run / "config.yaml").write_text("run: {}\n")
     (run / "metrics.jsonl").write_text("{}\n")
+    (run / ".lock").write_text("123\n")
     before = {p: p.read_bytes() for p in [*other.iterdir(), *run.iterdir()]}
     for out, owner in ((other / "model.safetensors", f"the model or drafter {other}"),
                        (other / "config.json", f"the model or drafter {other}"),

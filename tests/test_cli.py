@@ -2,6 +2,7 @@
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -409,18 +410,38 @@ def test_bad_arguments_of_other_commands(tmp_path, capsys, argv, message):
 ])
 def test_a_directory_a_run_keeps_is_no_other_commands_output(tmp_path, capsys, argv):
     """A training run writes its drafter, checkpoints and loggers' files at their names in its
-    directory, whether or not they exist yet (a run with SD off has no drafter/)."""
+    directory, whether or not they exist yet (a run with SD off has no drafter/). A folder of
+    the user's with a config.yaml and a metrics.jsonl but no run's .lock is no run."""
     (tmp_path / "full").mkdir()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("mine: 1\n")
+    (project / "metrics.jsonl").write_text('{"mine": 1}\n')
+    assert main(["task", "--n", "2", "--out", str(project / "summary.json")]) == 0
+    capsys.readouterr()
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.yaml").write_text("run: {name: run}\n")
-    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    shutil.copytree(project, run, ignore=shutil.ignore_patterns("summary.json"))
+    (run / ".lock").write_text("123\n")
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
     out = argv[argv.index("--out") + 1].format(tmp=tmp_path)
     assert err == f"error: --out {out} is where the training run {run} keeps its own files; give a directory outside " \
                   f"them\n", err
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml", "metrics.jsonl"]
+
+
+def test_resuming_a_checkpoint_that_is_not_there_says_so(tmp_path, capsys):
+    """It was told to write step-7 into checkpoints/latest, which would break the resume."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-5").mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl", ".lock"):
+        (run / name).write_text("run: {name: run}\n" if name == "config.yaml" else "")
+    missing = run / "checkpoints" / "step-7"
+    assert main(["train", "--resume", str(missing)]) == 2
+    assert capsys.readouterr().err == f"error: --resume {missing}: no such directory; give a run's directory, e.g. " \
+                                      f"runs/default\n"
+    assert main(["train", "--resume", str(run / "checkpoints" / "step-5")]) == 2
+    assert "to resume from step-5, write its name into" in capsys.readouterr().err
 
 
 def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path):
