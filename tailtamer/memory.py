@@ -296,7 +296,7 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
     est["total"] = persistent + max(rollout, est["update_weights"] + est["activations"] + est["logits"])
     est.update(phases, slots=slots, cache_len=cache_len, seq_len=seq_len, tokens=tokens, shard_world=N,
                grad_checkpointing=int(grad_checkpointing), weight_bytes=b, compute_bytes=c, vllm=int(vllm_cache > 0),
-               vllm_weights=engine_weights)
+               vllm_weights=engine_weights, vllm_weight_bytes=vllm_weight_bytes)
     return est
 
 
@@ -464,8 +464,9 @@ def _advice(est: dict, piece: str) -> str:
     if piece == "update_weights":
         return ("set run.dtype=float32 (autocast keeps 16-bit copies of the weights for the backward)"
                 if est["compute_bytes"] < est["weight_bytes"] else "start more workers with run.shard=fsdp")
-    if piece == "rollout_copy" and est["vllm"]:
-        return "set vllm.dtype=bfloat16 (vLLM's copy of the policy and the drafter), or use rollout.backend=tailtamer"
+    if piece == "rollout_copy" and est["vllm"] and est["vllm_weight_bytes"] > 2:
+        return ("set vllm.dtype=bfloat16 (vLLM's own float32 copy of the policy and the drafter is "
+                f"{size(est['vllm_weights'])} of it)")
     if piece == "rollout_copy":
         return ("no setting shrinks it (every worker keeps the whole policy for its engine): use a device with more "
                 "memory or a smaller model")

@@ -157,6 +157,11 @@ def test_on_vllm_the_kv_cache_is_vllms_and_its_weights_are_counted():
         message = _refusal(est, 2 * GiB)
         assert "KV cache" in message and "lower vllm.kv_cache_gb" in message and "slots" not in message
     assert "vLLM" not in format_estimate(ours) and ours["vllm_weights"] == 0
+    # sharded over 4 workers, the whole copies are the largest piece: vLLM's float32 one can shrink
+    for dtype, advice in (("float32", "set vllm.dtype=bfloat16"), ("bfloat16", "no setting shrinks it")):
+        cfg = _train_config("rollout.backend=vllm", "vllm.kv_cache_gb=0.0001", f"vllm.dtype={dtype}", "run.shard=fsdp")
+        est = estimate_for(cfg, QWEN25_7B, 4, device_type="cpu")
+        assert max(memory.PIECES, key=est.get) == "rollout_copy" and advice in _refusal(est, est["total"] // 2)
 
 
 def test_estimate_for_counts_evaluation_requests_and_the_context():

@@ -204,6 +204,7 @@ def test_a_temperature_vllm_refuses_is_refused_before_it_starts(override):
     ("spec.strategies=[7_1_8@0.3,4_1_5,2_1_3]", "spec.strategies 7_1_8@0.3: vLLM drafts chains of a fixed length"),
     ("spec.compile=true", "with rollout.backend=vllm use vllm.compile"),
     ("vllm.kv_cache_gb=0", "vllm.kv_cache_gb must be > 0"),
+    ("vllm.kv_cache_gb=1e-10", "vllm.kv_cache_gb must be >= 1e-06 \\(a KiB\\), got 1e-10"),  # 0 bytes: unset
     ("spec.acceptance=synthetic", "is refused: tailtamer only verifies losslessly"),
     ("spec.drafter=suffix", "^spec.drafter=suffix runs on rollout.backend=tailtamer"),  # not vLLM's default arms
     ("spec.drafter=suffix spec.mode=on", "^spec.drafter=suffix runs on rollout.backend=tailtamer"),

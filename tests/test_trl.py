@@ -9,6 +9,7 @@ trl = pytest.importorskip("trl")
 
 from tailtamer.errors import ConfigError  # noqa: E402
 from tailtamer.integrations.trl import StalePolicy, TLTRollout  # noqa: E402
+from tailtamer.rollout.vllm_backend import VLLMConfig  # noqa: E402
 
 PROMPTS = ["12+3=?\n", "7-2=?\n", "4*5=?\n", "9+9=?\n"]
 
@@ -153,6 +154,8 @@ def test_bad_settings_are_one_line(model_dir, tmp_path, monkeypatch, kwargs, con
     ({"strategy": 5}, "strategy=5: give one strategy's name"),
     ({"strategies": 5}, "strategies=5: give a list of strategy names"),
     ({"strategies": (s for s in ["s4_1_5"])}, "give a list of strategy names"),  # a generator, used up once read
+    ({"vllm": {"kv_cache_gb": 4}}, "vllm=\\{'kv_cache_gb': 4\\}: give a tailtamer.rollout.vllm_backend.VLLMConfig"),
+    ({"vllm": VLLMConfig(kv_cache_gb=4)}, "vllm=... sets up vLLM's engine; backend='tailtamer' would not read it"),
 ])
 def test_bad_arguments_are_refused_at_construction_naming_them(kwargs, message):
     """Not at the first rollout inside trainer.train(), as a TypeError or a field the user never set."""

@@ -459,6 +459,12 @@ def test_a_batch_size_above_vllms_token_budget_raises_the_budget(world, plain):
     assert wide["budget"] == wide["default"] + 1
     assert _token_budget(plain) == max(wide["default"], model.config.max_position_embeddings)
     assert wide["ids"] == _ids(Engine(model).generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6))[0])
+    # on a GPU, where prompts are prefilled in chunks, the batch size alone: a long context would
+    # make vLLM reserve room for a step of that many tokens
+    budget = wide["default"] + 1
+    assert vllm_backend.token_budget(budget, 10**6, whole_prefill=False) == {"max_num_batched_tokens": budget}
+    assert vllm_backend.token_budget(budget, 10**6, whole_prefill=True) == {"max_num_batched_tokens": 10**6}
+    assert vllm_backend.token_budget(wide["default"], 10**6, whole_prefill=True) == {}
 
 
 @pytest.mark.slow

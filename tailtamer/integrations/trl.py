@@ -72,7 +72,8 @@ class StalePolicy(TailtamerError):
     """The engine's model is not the trainer's current policy."""
 
 
-def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot) -> None:
+def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot,
+                    vllm=VLLMConfig()) -> None:
     """TLTRollout's arguments, each refused at construction in one line naming it: the values
     SpecConfig does not check itself, and a drafter or switch the chosen `spec` would not use
     (as `tailtamer generate` refuses its flags; the strategies it does not read, `SpecConfig.unread`)."""
@@ -105,6 +106,11 @@ def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch
     if not isinstance(spot, SpotConfig):
         raise ConfigError(f"TLTRollout spot={spot!r}: give a tailtamer.drafter.spot.SpotConfig, e.g. "
                           f"SpotConfig(train=False)")
+    if not isinstance(vllm, VLLMConfig):
+        raise ConfigError(f"TLTRollout vllm={vllm!r}: give a tailtamer.rollout.vllm_backend.VLLMConfig, e.g. "
+                          f"VLLMConfig(kv_cache_gb=4)")
+    if vllm != VLLMConfig() and backend != "vllm":
+        raise ConfigError(f"TLTRollout vllm=... sets up vLLM's engine; backend={backend!r} would not read it")
 
 
 def _whole_at_least(value, least: int) -> bool:
@@ -118,13 +124,15 @@ class TLTRollout:
     model-free drafter over each prompt's siblings) or None (with spec off); `strategy`,
     `strategies`, `bs_threshold`: as spec.strategy, spec.strategies, spec.bs_threshold;
     `max_batch_size`: requests decoded together; `spot`: the drafter's training on idle
-    processes (tailtamer's spot section: `SpotConfig(train=False)` keeps it frozen)."""
+    processes (tailtamer's spot section: `SpotConfig(train=False)` keeps it frozen); `vllm`:
+    vLLM's engine with backend="vllm" (tailtamer's vllm section, e.g. `VLLMConfig(kv_cache_gb=4)`)."""
 
     def __init__(self, spec: str = "adaptive", drafter: str | None = "suffix", strategy: str | None = None,
                  strategies: tuple[str, ...] | None = None, bs_threshold: int | None = None,
-                 max_batch_size: int = 512, backend: str = "tailtamer", spot: SpotConfig = SpotConfig()):
+                 max_batch_size: int = 512, backend: str = "tailtamer", spot: SpotConfig = SpotConfig(),
+                 vllm: VLLMConfig = VLLMConfig()):
         check_trl()
-        check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot)
+        check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot, vllm)
         drafter = str(drafter) if isinstance(drafter, Path) else drafter
         vllm, unset = backend == "vllm", {}
         if vllm:  # where it is installed; its arms are chains (unset: vLLM's defaults)
@@ -141,7 +149,7 @@ class TLTRollout:
             check_strategies(self.spec)
         else:
             check_engine_drafter(self.spec)
-        self.backend, self.max_batch_size, self.spot = backend, int(max_batch_size), spot
+        self.backend, self.max_batch_size, self.spot, self.vllm = backend, int(max_batch_size), spot, vllm
         self.engine: Engine | VLLMBackend | None = None
         self.model = None  # our Transformer, holding the trainer's weights
         self.adaptive: AdaptiveDrafter | None = None
@@ -233,9 +241,12 @@ class TLTRollout:
             self._dir = tempfile.mkdtemp(prefix="tailtamer-trl-vllm-")
             atexit.register(shutil.rmtree, self._dir, True)
             save_model(model, self._dir)
-            return VLLMBackend(self._dir, model, None, self.spec, bias_free(drafter), VLLMConfig(), self.max_batch_size,
-                               seed=int(args.seed), eos_ids=eos,
-                               log_file=Path(args.output_dir) / "vllm.log")
+            try:
+                return VLLMBackend(self._dir, model, None, self.spec, bias_free(drafter), self.vllm,
+                                   self.max_batch_size, seed=int(args.seed), eos_ids=eos,
+                                   log_file=Path(args.output_dir) / "vllm.log")
+            except ConfigError as e:  # vllm.kv_cache_gb: TLTRollout's vllm=VLLMConfig(...)
+                raise ConfigError(f"TLTRollout: {e}") from None
         speculator = make_speculator(self.spec, model, drafter)
         several = trainer.accelerator.num_processes > 1
         if self.spot.trains(drafter is not None, trainer.accelerator.num_processes):

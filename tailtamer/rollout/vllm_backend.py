@@ -71,6 +71,7 @@ VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more, once the engin
 # Relative differences a published layer may show in the engine's dtype (float32 kernels
 # round in another order than ours; bfloat16 keeps 8 bits).
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+KV_CACHE_MIN_GB = 1e-6
 # How vLLM's start says that its KV cache cannot hold one request of the model's context; it
 # names gpu_memory_utilization, which tailtamer's explicit cache size overrides.
 KV_CACHE_TOO_SMALL = ("No available memory for the cache blocks", "To serve at least one request")
@@ -88,6 +89,8 @@ class VLLMConfig:
 
     def __post_init__(self):
         positive(self, "vllm", "kv_cache_gb", "gpu_memory_utilization")
+        if self.kv_cache_gb < KV_CACHE_MIN_GB:  # fewer bytes than one: vLLM on a GPU would read 0 as unset
+            raise ConfigError(f"vllm.kv_cache_gb must be >= {KV_CACHE_MIN_GB:g} (a KiB), got {self.kv_cache_gb:g}")
         at_most(self, "vllm", 1, "gpu_memory_utilization")
         at_most(self, "vllm", 4096, "kv_cache_gb")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -174,16 +177,18 @@ def kv_cache_too_small(cfg: VLLMConfig, model_cfg, drafts: bool, dtype: torch.dt
             f"raise it")
 
 
-def token_budget(max_batch_size: int, max_model_len: int) -> dict:
+def token_budget(max_batch_size: int, max_model_len: int, whole_prefill: bool) -> dict:
     """vLLM's max_num_batched_tokens where its default for this machine (4,096 on a CPU) is
     below rollout.max_batch_size, which vLLM refuses (every running request schedules a token
-    a step): raised to the batch size, and to the context where prompts are prefilled whole.
-    Elsewhere vLLM keeps its own."""
+    a step): raised to the batch size, and to the context where prompts are prefilled whole
+    (`whole_prefill`: chunked prefill off). Elsewhere vLLM keeps its own."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
 
     default = EngineArgs.get_batch_defaults(world_size=1)[0].get(UsageContext.LLM_CLASS, 0)
-    return {} if max_batch_size <= default else {"max_num_batched_tokens": max(max_batch_size, max_model_len)}
+    if max_batch_size <= default:
+        return {}
+    return {"max_num_batched_tokens": max(max_batch_size, max_model_len if whole_prefill else 0)}
 
 
 def bias_free(drafter):
@@ -342,15 +347,16 @@ class VLLMBackend:
                 speculative.update(method="eagle", model=self._dir)
         dtype = cfg.dtype if cfg.dtype != "auto" else ("float32" if device_type == "cpu" else "bfloat16")
         self.dtype = getattr(torch, dtype)
+        chunked = generators_rewind(self.model.device)
         self.llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                             enforce_eager=not cfg.compile, max_model_len=self.max_seq_len, max_num_seqs=max_batch_size,
                             kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                             gpu_memory_utilization=cfg.gpu_memory_utilization,
                             # every request is seeded: where its generator cannot be rewound after a
                             # chunk's dropped sample (a CPU's), prompts are prefilled whole
-                            enable_chunked_prefill=generators_rewind(self.model.device),
+                            enable_chunked_prefill=chunked,
                             disable_log_stats=False, speculative_config=speculative,
-                            **token_budget(max_batch_size, self.max_seq_len),
+                            **token_budget(max_batch_size, self.max_seq_len, whole_prefill=not chunked),
                             # VLLMLog's handler stays: vLLM's own set-up would replace it
                             logging_config=LoggingConfig(configure_logging=False, pylogging_config_file=None))
         if device_type == "cpu" and speculative is not None:
