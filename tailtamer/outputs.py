@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tailtamer.atomic import make_dirs
 from tailtamer.errors import TailtamerError
-from tailtamer.rl.run_dir import RUN_DIRS, RUN_FILES
+from tailtamer.rl.run_dir import FAILURE_LOGS, RUN_DIRS, RUN_FILES
 
 # Directories the output checks created, removed again (if still empty) when the command
 # fails (the command's main): a mistyped option must not leave an empty --out behind.
@@ -77,14 +77,15 @@ def run_holding(path: Path) -> Path | None:
     """The training run directory whose own files (`RUN_FILES`, `RUN_DIRS`) hold `path` (a
     checkpoint, its metrics, or where the run would write them: a path that does not exist yet
     counts where the directory also holds the run's `.lock`, so that a project's folder with a
-    config.yaml and a metrics.jsonl of its own is no run), or None; relative to the working
+    config.yaml and a metrics.jsonl of its own is no run; and the logs a run that failed before
+    its first step keeps beside its `.lock`, `FAILURE_LOGS`), or None; relative to the working
     directory when `path` is given so."""
     real = Path(os.path.realpath(path))  # `..` and links resolved, as the file system reads them
     exists = path.exists()
     for directory in real.parents:
-        if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists() \
-                and (exists or (directory / ".lock").is_file()) \
-                and real.relative_to(directory).parts[0] in (*RUN_FILES, *RUN_DIRS):
+        own, lock = real.relative_to(directory).parts[0], (directory / ".lock").is_file()
+        started = (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").exists()
+        if (started and (exists or lock) and own in (*RUN_FILES, *RUN_DIRS)) or (lock and exists and own in FAILURE_LOGS):
             return directory if path.is_absolute() else Path(os.path.relpath(directory))
     return None
 

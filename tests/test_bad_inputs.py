@@ -74,6 +74,14 @@ def test_an_output_never_replaces_a_file_of_another_model_or_run(model_dir, tmp_
         code = main(["generate", "--model", str(model_dir), "--prompts", str(_prompts(tmp_path)), "--out", str(out)])
         _one_line_error(capsys, f"would replace a file of {owner}", code)
     assert {p: p.read_bytes() for p in before} == before
+    failed = tmp_path / "runs" / "failed"  # what a run that failed before its first step keeps
+    failed.mkdir()
+    for name in (".lock", "vllm.log", "reward.log"):
+        (failed / name).write_text(f"{name}\n")
+    for log in ("vllm.log", "reward.log"):
+        _one_line_error(capsys, f"would replace a file of the training run {failed}",
+                        main(["task", "--out", str(failed / log), "--n", "2"]))
+        assert (failed / log).read_text() == f"{log}\n"
     for own in (other / "new.jsonl", run / "gen.jsonl"):  # the user's own files beside them, written again
         for _ in range(2):
             assert main(["task", "--out", str(own), "--n", "2"]) == 0

@@ -23,7 +23,9 @@ from __future__ import annotations
 import gc
 import importlib.util
 import logging
+import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -72,9 +74,12 @@ VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more, once the engin
 # round in another order than ours; bfloat16 keeps 8 bits).
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 KV_CACHE_MIN_GB = 1e-6
-# How vLLM's start says that its KV cache cannot hold one request of the model's context; it
-# names gpu_memory_utilization, which tailtamer's explicit cache size overrides.
+# How vLLM's start says that its KV cache cannot hold one request of the model's context (it
+# names gpu_memory_utilization, which tailtamer's explicit cache size overrides), and that the
+# machine has less free than the cache asks for (naming vLLM's flags).
 KV_CACHE_TOO_SMALL = ("No available memory for the cache blocks", "To serve at least one request")
+KV_CACHE_TOO_BIG = re.compile(r"Available memory on node \d+ \(([\d.]+)/([\d.]+) GiB\) on kv cache allocation")
+KV_BLOCK_TOKENS = 128  # vLLM-CPU's block; a GPU's is 16, so the figure below is generous there
 
 
 @dataclass(frozen=True)
@@ -167,14 +172,18 @@ def initial_table(depths: list[int], max_batch_size: int) -> list[list[int]]:
 
 
 def kv_cache_too_small(cfg: VLLMConfig, model_cfg, drafts: bool, dtype: torch.dtype) -> str:
-    """The refusal of a vllm.kv_cache_gb below one request of the model's whole context, with
-    what that request's keys and values take (the target's layers and the drafter's)."""
+    """The refusal of a vllm.kv_cache_gb below one request of the model's whole context, with a
+    size that holds it: that request's keys and values (the target's layers and the drafter's)
+    in whole blocks, with the one block vLLM keeps empty, and a quarter more."""
     layers = model_cfg.num_hidden_layers + int(drafts)
-    need = 2 * layers * model_cfg.max_position_embeddings * model_cfg.num_key_value_heads * model_cfg.head_size \
+    blocks = -(-model_cfg.max_position_embeddings // KV_BLOCK_TOKENS) + 1
+    need = 2 * layers * blocks * KV_BLOCK_TOKENS * model_cfg.num_key_value_heads * model_cfg.head_size \
         * dtype.itemsize
+    enough = 1.25 * need / (1 << 30)
+    digit = 10 ** (math.floor(math.log10(enough)) - 1)  # rounded up to two significant digits
+    enough = math.ceil(enough / digit) * digit
     return (f"vllm.kv_cache_gb={cfg.kv_cache_gb:g} cannot hold one request of the model's context "
-            f"({model_cfg.max_position_embeddings:,} tokens, about {need / (1 << 20):.3g} MiB of keys and values): "
-            f"raise it")
+            f"({model_cfg.max_position_embeddings:,} tokens): give {enough:.2g} or more")
 
 
 def token_budget(max_batch_size: int, max_model_len: int, whole_prefill: bool) -> dict:
@@ -324,6 +333,10 @@ class VLLMBackend:
                 raise
             if str(e).startswith(KV_CACHE_TOO_SMALL):
                 raise ConfigError(kv_cache_too_small(cfg, model.config, drafts, self.dtype)) from None
+            free = KV_CACHE_TOO_BIG.match(str(e))
+            if free:
+                raise ConfigError(f"vllm.kv_cache_gb={cfg.kv_cache_gb:g} is more than this machine has free ({free[1]} "
+                                  f"of {free[2]} GiB): lower it") from None
             raise RolloutBackendError(f"vLLM could not start on {model_dir}: {_first_line(e)}{note}") from None
 
     def _start(self, vllm, model_dir, spec, drafter, cfg: VLLMConfig, max_batch_size: int, seed: int,
