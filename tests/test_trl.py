@@ -317,7 +317,8 @@ def test_the_vllm_backend_inside_trl(tmp_path, monkeypatch):
     """`make test-vllm` (TRL in vLLM's environment): GRPOTrainer runs two steps with
     TLTRollout(backend="vllm") and its EAGLE drafter (chains, the long-tail switch through vLLM's
     draft-length table); greedy completions equal TRL's own generation, log-probabilities its
-    recomputation; the trainer's update reaches vLLM (its publish is checked layer by layer)."""
+    recomputation; the trainer's update reaches vLLM (its publish is checked layer by layer);
+    TLTRollout's vllm section reaches vLLM's engine."""
     pytest.importorskip("vllm")
     from conftest import random_model, tiny_config
 
@@ -335,11 +336,13 @@ def test_the_vllm_backend_inside_trl(tmp_path, monkeypatch):
     rows = [p for p in PROMPTS[:2] for _ in range(plain.num_generations)]
     prompt_ids, _, _ = plain._tokenize_prompts(rows)
     theirs, _ = plain._generate_single_turn(prompt_ids, None, {}, plain.num_generations)
-    rollout = TLTRollout(backend="vllm", spec="on", drafter=str(tmp_path / "drafter"), strategy="4_1_5")
+    rollout = TLTRollout(backend="vllm", spec="on", drafter=str(tmp_path / "drafter"), strategy="4_1_5",
+                         vllm=VLLMConfig(kv_cache_gb=0.25))
     try:
         trainer, _ = _trainer(model_dir, tmp_path, rollout, **greedy)
         out = rollout(rows, trainer)
         assert out["completion_ids"] == theirs
+        assert rollout.engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == 1 << 28  # the user's
         for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
             with torch.no_grad():
                 logits = trainer.model(torch.tensor([p + c])).logits[0, len(p) - 1: -1]

@@ -134,8 +134,8 @@ class TLTRollout:
         check_trl()
         check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot, vllm)
         drafter = str(drafter) if isinstance(drafter, Path) else drafter
-        vllm, unset = backend == "vllm", {}
-        if vllm:  # where it is installed; its arms are chains (unset: vLLM's defaults)
+        on_vllm, unset = backend == "vllm", {}
+        if on_vllm:  # where it is installed; its arms are chains (unset: vLLM's defaults)
             require_vllm("TLTRollout backend='vllm'")
             unset = vllm_arms(drafter)
             strategy, strategies = strategy or unset.get("strategy"), strategies or unset.get("strategies")
@@ -145,7 +145,7 @@ class TLTRollout:
         unread = self.spec.unread(unset)
         if unread:
             raise ConfigError(f"TLTRollout: {unread[0]}")
-        if vllm:
+        if on_vllm:
             check_strategies(self.spec)
         else:
             check_engine_drafter(self.spec)
