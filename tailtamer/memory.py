@@ -75,12 +75,15 @@ Rough pieces (documented models, meant to be conservative but not absurd):
                 step's logits, float32 sampling probabilities and the float64 draw (its
                 probabilities' logs and the Gumbel noise: decode_rows·(b + 36)·V, rows =
                 requests x tokens verified), and a spot-training step of the drafter on M packed
-                tokens (~M·(2a + (2b + 24)·V) + M², see `_drafter_training_bytes`).
+                tokens (~M·(2a + (2b + 24)·V) + M², see `_drafter_training_bytes`). On
+                rollout.backend=vllm, vLLM's step instead of the prefill and the decode: one
+                layer over its token budget and logits where it samples,
+                step_tokens·a' + decode_rows·12·V (a' in vLLM's dtype, VLLM_STEP_TOKENS).
   samples       R·len·SAMPLE_TOKEN_BYTES for the R requests of a step (prompts x group_size of the
                 worker's shard, or an evaluation's), each up to len tokens: its token lists
                 (Python ints) and the update's tensors of it (ids, masks, log-probs,
-                advantages); and the sampling noise kept for them, R·NOISE_WINDOW·V float64 if
-                that fits in NOISE_BUDGET, else none (rollout/sampling.py `TargetDraws`). Live
+                advantages); and the sampling noise our engine keeps for them, R·NOISE_WINDOW·V
+                float64 if that fits in NOISE_BUDGET, else none (rollout/sampling.py `TargetDraws`). Live
                 through the rollout and the update.
 
 total = persistent + max(rollout_activations, update_weights + activations + logits), where
@@ -89,8 +92,8 @@ drafter + samples: the update's transients and the rollout's never live together
 fragmentation, the CUDA context (~0.5 GiB) and PyTorch's workspaces are not counted;
 `check_fits` keeps a 10% margin for them.
 
-`estimate` returns the pieces above (PIECES), `total`, the three candidates for
-rollout_activations (`prefill`, `decode`, `drafter_training`) and, for messages, `slots`,
+`estimate` returns the pieces above (PIECES), `total`, the candidates for
+rollout_activations (`prefill`, `decode`, `vllm_step`, `drafter_training`) and, for messages, `slots`,
 `cache_len`, `seq_len` (the widest sample: cache rows past it are a verify's), `tokens` (T),
 `shard_world`, `grad_checkpointing` (0/1), `weight_bytes` and `compute_bytes`.
 """
@@ -116,6 +119,12 @@ PERSISTENT = ("policy", "master", "grads", "optimizer", "reference", "kv_cache",
 # log-probs and advantage (8 + 1 + 12), rounded up
 SAMPLE_TOKEN_BYTES = 64
 PIECES = PERSISTENT + ("update_weights", "activations", "logits", "rollout_activations")
+# vLLM's forward on rollout.backend=vllm: at most max_num_batched_tokens tokens, whose largest
+# default is 16,384 (LLM class, GPUs of 70 GiB or more; the backend raises it to the batch size,
+# and to the context on a CPU); logits only at the positions it samples, float32, with their
+# probabilities and logs.
+VLLM_STEP_TOKENS = 16_384
+VLLM_ROW_BYTES = 12
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 
 
@@ -238,7 +247,8 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
              seq_len: int | None = None, entropy: bool = False, attention_scores: bool | None = None,
              prefill_tokens: int = 0, prefill_rows: int = 0, decode_rows: int | None = None, drafter_cache_len: int | None = None,
              drafter_buffer_bytes: int = 0, drafter_tokens: int = 512, drafter_frozen: bool = False,
-             requests: int = 0, vllm_cache: int = 0, vllm_weight_bytes: int = 0) -> dict[str, int]:
+             requests: int = 0, vllm_cache: int = 0, vllm_weight_bytes: int = 0,
+             vllm_step_tokens: int = 0) -> dict[str, int]:
     """Bytes per worker of each piece and the total (module docstring: formulas and what is
     exact). `compute_bytes`: the precision of the training forwards (autocast; default the
     weights'), also the reference model's. `seq_len` is the widest sample of the update
@@ -247,8 +257,8 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
     `decode_rows`: the largest prefill (prompts x their width, and its prompts) and decode step
     (rows x tokens verified; default `slots`) of the rollout. `drafter_cache_len`: the length the EAGLE proposer
     reserves (default `cache_len`). `requests`: the step's requests, each up to `cache_len` tokens.
-    `vllm_cache` > 0: the rollout runs on vLLM, with this KV cache and its weights in
-    `vllm_weight_bytes`."""
+    `vllm_cache` > 0: the rollout runs on vLLM, with this KV cache, its weights in
+    `vllm_weight_bytes` and at most `vllm_step_tokens` tokens a forward."""
     if shard_world < 1:
         raise ValueError(f"shard_world must be >= 1, got {shard_world}")
     cfg, b, N = model_cfg, weight_bytes, shard_world
@@ -273,14 +283,19 @@ def estimate(model_cfg: ModelConfig, *, weight_bytes: int, master_fp32: bool, sl
         "reference": P * c if reference else 0,
         "kv_cache": vllm_cache or kv_cache_bytes(cfg, slots, cache_len, cache_bytes),
         "drafter": 0,
-        "samples": requests * cache_len * SAMPLE_TOKEN_BYTES + noise_table_bytes(requests, cfg.vocab_size),
+        "samples": requests * cache_len * SAMPLE_TOKEN_BYTES + (0 if vllm_cache else
+                                                                noise_table_bytes(requests, cfg.vocab_size)),
         "update_weights": casts + gathered,
         "activations": update_activation_bytes(cfg, b, tokens, seq_len, grad_checkpointing, scores, c),
         "logits": logits_bytes(cfg.vocab_size, tokens, c, entropy),
     }
     layer = layer_activation_bytes(cfg, b, b, seq_len, b >= 4 if attention_scores is None else attention_scores)
     phases = {"prefill": prefill_tokens * layer + prefill_rows * b * cfg.vocab_size,
-              "decode": decode_rows * (b + 36) * cfg.vocab_size, "drafter_training": 0}
+              "decode": decode_rows * (b + 36) * cfg.vocab_size, "vllm_step": 0, "drafter_training": 0}
+    if vllm_cache:  # vLLM prefills and decodes, in steps of at most its token budget
+        e = vllm_weight_bytes
+        phases.update(prefill=0, decode=0, vllm_step=vllm_step_tokens * layer_activation_bytes(cfg, e, e)
+                      + decode_rows * VLLM_ROW_BYTES * cfg.vocab_size)
     if drafter:
         D, d = drafter_parameters(cfg), cache_len if drafter_cache_len is None else drafter_cache_len
         state = slots * d * (cfg.hidden_size * b + 8) + kv_cache_bytes(cfg, slots, 2 * d, cache_bytes, layers=1)
@@ -353,7 +368,8 @@ def estimate_for(cfg: "TrainConfig", model_cfg: ModelConfig, world: int = 1, dty
     vllm = {}
     if getattr(roll, "backend", "tailtamer") == "vllm":
         dtype = cfg.vllm.dtype if cfg.vllm.dtype != "auto" else "float32" if device_type == "cpu" else "bfloat16"
-        vllm = {"vllm_cache": int(cfg.vllm.kv_cache_gb * (1 << 30)), "vllm_weight_bytes": DTYPE_BYTES[dtype]}
+        vllm = {"vllm_cache": int(cfg.vllm.kv_cache_gb * (1 << 30)), "vllm_weight_bytes": DTYPE_BYTES[dtype],
+                "vllm_step_tokens": max(VLLM_STEP_TOKENS, slots, seq if device_type == "cpu" else 0)}
     return estimate(
         model_cfg, weight_bytes=weight_bytes, master_fp32=master_fp32, compute_bytes=dtype_bytes, slots=slots,
         cache_len=seq + verify, cache_bytes=weight_bytes,
@@ -450,10 +466,11 @@ def _advice(est: dict, piece: str) -> str:
         return ("lower rl.micro_batch_tokens (the float32 log-softmax over the vocabulary; "
                 "rl.grad_checkpointing does not shrink it)")
     if piece == "rollout_activations":
-        cause = max(("prefill", "decode", "drafter_training"), key=lambda k: est.get(k, 0))
+        cause = max(("prefill", "decode", "vllm_step", "drafter_training"), key=lambda k: est.get(k, 0))
         return {"prefill": "lower rollout.max_batch_size (requests admitted and prefilled together), "
                            "data.max_prompt_tokens or data.n_eval (prompts prefilled together)",
                 "decode": "lower rollout.max_batch_size (or spec.bs_threshold: rows verified per step)",
+                "vllm_step": "lower rollout.max_batch_size (the requests vLLM runs in one step, each with its logits)",
                 "drafter_training": "lower spot.tokens_per_step"}[cause]
     if piece == "samples":
         return "lower rollout.prompts_per_step, rollout.group_size, rollout.max_new_tokens or data.n_eval"

@@ -164,6 +164,30 @@ def test_on_vllm_the_kv_cache_is_vllms_and_its_weights_are_counted():
         assert max(memory.PIECES, key=est.get) == "rollout_copy" and advice in _refusal(est, est["total"] // 2)
 
 
+QWEN25_05B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_theta=1e6)
+
+
+def test_on_vllm_the_rollout_activations_are_vllms_step_not_our_prefill():
+    """vLLM prefills in steps of its token budget and computes logits only where it samples:
+    a step of 256 prompts of 1,024 tokens, which our engine would prefill at once, fits an
+    80-GiB GPU on vLLM; what grows vLLM's step is the requests it runs at once."""
+    job = ["rollout.prompts_per_step=256", "rollout.group_size=4", "rollout.max_batch_size=1024",
+           "data.max_prompt_tokens=1024", "rollout.max_new_tokens=2048", "run.dtype=bfloat16"]
+    on_vllm = ["rollout.backend=vllm", "vllm.kv_cache_gb=8", "vllm.dtype=bfloat16"]
+    ours = estimate_for(_train_config(*job), QWEN25_05B, device_type="cuda")
+    assert ours["prefill"] > 64 * GiB  # 256 prompts x 1,024 tokens at once, and a logit row each
+    est = estimate_for(_train_config(*job, *on_vllm), QWEN25_05B, device_type="cuda")
+    check_fits(est, 80 * GiB, "cuda:0")  # refused before, blaming a prefill vLLM never runs
+    assert est["prefill"] == est["decode"] == 0 and 0 < est["vllm_step"] == est["rollout_activations"] < 4 * GiB
+    wide = estimate_for(_train_config(*job, *on_vllm, "rollout.max_batch_size=65536", "rollout.prompts_per_step=16384"),
+                        QWEN25_05B, device_type="cuda")
+    assert wide["vllm_step"] > 16 * est["vllm_step"]
+    assert "the rollout's activations" in (message := _refusal(wide, 80 * GiB))
+    assert "the requests vLLM runs in one step" in message
+
+
 def test_estimate_for_counts_evaluation_requests_and_the_context():
     cfg = _train_config("run.eval_every=5", "data.n_eval=20", "rollout.max_new_tokens=300")
     model_cfg = tiny_config(max_position_embeddings=64)
