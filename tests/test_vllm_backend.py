@@ -117,6 +117,20 @@ def test_a_kv_cache_too_small_for_one_request_names_vllm_kv_cache_gb_and_a_size_
     assert result["ids"] == _ids(Engine(model).generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6))[0])
 
 
+def test_running_out_of_memory_at_start_up_names_vllm_kv_cache_gb(world, monkeypatch):
+    """On a GPU vLLM allocates the cache it is given without checking free memory first: the
+    allocator's error at start-up is one line naming the setting (vLLM-CPU's own check is above)."""
+    model, _, root = world
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4000.00 GiB")
+
+    monkeypatch.setattr(VLLMBackend, "_start", out_of_memory)
+    with pytest.raises(ConfigError, match=r"^vLLM ran out of memory on cpu starting with its whole KV cache, "
+                                          r"vllm.kv_cache_gb=4000, beside the model's weights: lower it$"):
+        VLLMBackend(root / "model", model, None, SpecConfig(mode="off"), None, VLLMConfig(kv_cache_gb=4000), 16)
+
+
 def test_generate_writes_vllms_log_over_none_of_its_other_files(tmp_path):
     for flags, message in ((["--stats", "o.vllm.log"], "--stats o.vllm.log would overwrite --out's vLLM log "),
                            (["--prompts", "q.vllm.log", "--out", "q.jsonl"],

@@ -337,6 +337,9 @@ class VLLMBackend:
             if free:
                 raise ConfigError(f"vllm.kv_cache_gb={cfg.kv_cache_gb:g} is more than this machine has free ({free[1]} "
                                   f"of {free[2]} GiB): lower it") from None
+            if isinstance(e, torch.OutOfMemoryError):  # a GPU's: vLLM checks free memory only on a CPU
+                raise ConfigError(f"vLLM ran out of memory on {device_type} starting with its whole KV cache, "
+                                  f"vllm.kv_cache_gb={cfg.kv_cache_gb:g}, beside the model's weights: lower it") from None
             raise RolloutBackendError(f"vLLM could not start on {model_dir}: {_first_line(e)}{note}") from None
 
     def _start(self, vllm, model_dir, spec, drafter, cfg: VLLMConfig, max_batch_size: int, seed: int,
