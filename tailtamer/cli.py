@@ -28,6 +28,7 @@ BENCH_FLAGS = {"--model": ("decode", "sd", "rollout", "profile"), "--preset": ("
 def cmd_train(args) -> None:
     from tailtamer.config import config_help, config_reference, load_train_config
     from tailtamer.outputs import run_holding
+    from tailtamer.rl.run_dir import kept_logs
     from tailtamer.rl.trainer import launch
 
     if args.help_config is not None:  # `--help-config=` too
@@ -52,6 +53,10 @@ def cmd_train(args) -> None:
         path = resume / "config.yaml"
         if not path.is_file():
             run = run_holding(resume) if resume.exists() else None
+            logs = kept_logs(run or resume)
+            if logs:
+                raise TailtamerError(f"--resume {resume}: the run {run or resume} ended before its first step and "
+                                     f"keeps only {' and '.join(logs)}: nothing to resume; run it again without --resume")
             if run is not None:  # a checkpoint or other file of a run
                 latest = run / "checkpoints" / "latest"
                 pick = (f"; to resume from {resume.name}, write its name into {latest}"

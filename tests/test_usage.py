@@ -62,6 +62,22 @@ def test_resume_pointed_into_a_run_names_the_run(tmp_path, capsys, monkeypatch, 
     assert ("to resume from step-000004, write its name into runs/r/checkpoints/latest" in err) == pick, err
 
 
+@pytest.mark.parametrize("given", ["runs/r", "runs/r/vllm.log"])
+def test_resume_of_a_run_that_failed_before_its_first_step_says_there_is_nothing_to_resume(
+        tmp_path, capsys, monkeypatch, given):
+    """Such a run keeps its logs beside its .lock; --resume of its log sent users to --resume of
+    the run, which was then 'not a run directory'."""
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / ".lock").write_text("")
+    (run / "vllm.log").write_text("vLLM said why\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", given]) == 2
+    assert capsys.readouterr().err == (f"error: --resume {given}: the run runs/r ended before its first step and keeps "
+                                       "only vllm.log: nothing to resume; run it again without --resume\n")
+    assert (run / "vllm.log").read_text() == "vLLM said why\n"
+
+
 def test_resume_of_a_directory_beside_a_config_file_is_not_a_run(tmp_path, capsys, monkeypatch):
     """A user's own config.yaml in the working directory made any --resume inside it 'inside
     the run directory .'."""

@@ -111,6 +111,13 @@ def unstarted_run(path: Path) -> bool:
         return False
 
 
+def kept_logs(path: Path) -> list[str]:
+    """The logs a run that failed before its first step left in `path` (beside its `.lock`,
+    nothing else), or []."""
+    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    return sorted(names - {".lock"}) if ".lock" in names and {".lock"} < names <= {".lock", *FAILURE_LOGS} else []
+
+
 def _holds_a_run(path: Path) -> bool:
     """The directory holds a run that finished a step, or files of something else: either way
     not ours to write into."""
