@@ -343,6 +343,8 @@ def test_the_vllm_backend_inside_trl(tmp_path, monkeypatch):
         out = rollout(rows, trainer)
         assert out["completion_ids"] == theirs
         assert rollout.engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == 1 << 28  # the user's
+        stamped = [line for line in (tmp_path / "trl" / "vllm.log").read_text().splitlines() if line[:2] == "20"]
+        assert stamped and all(line.split()[2:4] == ["process", "0"] for line in stamped)  # whose, among processes
         for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
             with torch.no_grad():
                 logits = trainer.model(torch.tensor([p + c])).logits[0, len(p) - 1: -1]

@@ -244,7 +244,8 @@ class TLTRollout:
             try:
                 return VLLMBackend(self._dir, model, None, self.spec, bias_free(drafter), self.vllm,
                                    self.max_batch_size, seed=int(args.seed), eos_ids=eos,
-                                   log_file=Path(args.output_dir) / "vllm.log")
+                                   log_file=Path(args.output_dir) / "vllm.log",
+                                   log_prefix=f"process {trainer.accelerator.process_index} ")
             except ConfigError as e:  # vllm.kv_cache_gb: TLTRollout's vllm=VLLMConfig(...)
                 raise ConfigError(f"TLTRollout: {e}") from None
         speculator = make_speculator(self.spec, model, drafter)
