@@ -291,9 +291,10 @@ class TrainConfig:
             missing = [name for name in ("config.json", "tokenizer.json") if not (model / name).is_file()]
             if missing:
                 raise ConfigError(f"run.model {model}: no {' or '.join(missing)}, so not a model directory")
-            raise ConfigError(f"spec.drafter=builtin is the built-in base model's drafter, not one for "
-                              f"run.model={self.run.model}; give spec.drafter=DIR (tailtamer drafter train), "
-                              f"spec.drafter=suffix, or spec.mode=off")
+            free = "ngram" if self.rollout.backend == "vllm" else "suffix"  # the model-free drafter it runs
+            raise ConfigError(f"spec.drafter=builtin is the built-in base model's drafter (with run.model unset), not "
+                              f"one for run.model={self.run.model}; give spec.drafter=DIR (tailtamer drafter train), "
+                              f"spec.drafter={free}, or spec.mode=off")
 
 
 def _coerce(value: Any, kind, where: str):

@@ -172,7 +172,8 @@ def prompts_as_texts(tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--spec", "on"], "--spec on needs a drafter (--drafter): an EAGLE drafter directory or 'suffix'"),
+    (["--spec", "on"], "--spec on needs a drafter (--drafter): an EAGLE drafter directory, or 'suffix' ('ngram' on "
+                       "--backend=vllm)"),
     (["--spec", "on", "--drafter", "ngram"], "--drafter=ngram is vLLM's prompt lookup"),
     (["--spec", "on", "--drafter", "suffix", "--strategy", "4_1_5"], "--strategy 4_1_5: the suffix drafter drafts sD_K_N"),
     (["--spec", "on", "--drafter", "suffix", "--strategy", "8x4"], "--strategy: strategy '8x4' is not DEPTH_TOPK_VERIFY"),

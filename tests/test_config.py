@@ -245,3 +245,21 @@ def test_what_yaml_or_the_home_directory_made_of_a_value_is_said(override, messa
     with pytest.raises(ConfigError) as e:
         load_train_config(None, [override])
     assert str(e.value).startswith(message), e.value
+
+
+@pytest.mark.parametrize("backend,free", [("tailtamer", "suffix"), ("vllm", "ngram")])
+def test_the_builtin_drafter_with_a_model_of_ones_own_names_the_drafters_that_run_there(tmp_path, backend, free):
+    """vLLM runs no suffix drafter: the refusal offered it on rollout.backend=vllm."""
+    from conftest import random_model, tiny_config
+
+    from tailtamer.model.io import save_model
+    from tailtamer.model.tokenizer import char_tokenizer
+
+    save_model(random_model(tiny_config()), tmp_path / "model")
+    char_tokenizer().save(tmp_path / "model")
+    with pytest.raises(ConfigError) as e:
+        load_train_config(None, [f"run.model={tmp_path / 'model'}", "spec.mode=on", "spec.drafter=builtin",
+                                 f"rollout.backend={backend}"])
+    assert str(e.value) == (f"spec.drafter=builtin is the built-in base model's drafter (with run.model unset), not "
+                            f"one for run.model={tmp_path / 'model'}; give spec.drafter=DIR (tailtamer drafter "
+                            f"train), spec.drafter={free}, or spec.mode=off")

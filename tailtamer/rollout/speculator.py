@@ -98,7 +98,8 @@ class SpecConfig:
         except ConfigError as e:
             raise ConfigError(f"spec.strategy: {e}") from None
         if self.mode != "off" and not self.drafter:
-            raise ConfigError(f"spec.mode {self.mode} needs a drafter (spec.drafter): an EAGLE drafter directory or 'suffix'")
+            raise ConfigError(f"spec.mode {self.mode} needs a drafter (spec.drafter): an EAGLE drafter directory, or "
+                              f"'suffix' ('ngram' on rollout.backend=vllm)")
         if self.tuner not in ("beg", "fixed"):
             raise ConfigError(f"spec.tuner must be beg or fixed, got {self.tuner!r}")
         if self.bs_threshold is not None:
