@@ -142,6 +142,21 @@ def test_generate_writes_vllms_log_over_none_of_its_other_files(tmp_path):
         assert list(tmp_path.iterdir()) == []
 
 
+def test_generate_keeps_vllms_warnings_and_loading_bars_in_its_log(tmp_path):
+    """With a log file, what vLLM's start says through Python's warnings goes there too, and
+    its weight-loading bars are off: the terminal keeps generate's own line."""
+    save_model(random_model(tiny_config(num_attention_heads=2, num_key_value_heads=1)), tmp_path / "m")
+    char_tokenizer().save(tmp_path / "m")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "12+3="}\n')
+    command = ["generate", "--backend", "vllm", "--model", "m", "--prompts", "p.jsonl", "--out", "o.jsonl",
+               "--max-new-tokens", "4"]
+    done = subprocess.run([sys.executable, "-W", "always::FutureWarning", "-m", "tailtamer", *command],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "FutureWarning" not in done.stderr and "Loading safetensors" not in done.stderr, done.stderr
+    assert "WARNING vllm: FutureWarning: " in (tmp_path / "o.vllm.log").read_text()
+
+
 def test_greedy_output_is_our_engines_with_sd_off_and_on(world, plain, sd):
     model, _, _ = world
     params = SamplingParams(temperature=0, max_new_tokens=24)

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -325,7 +326,10 @@ class VLLMBackend:
         self.tuner, self.bs_threshold, self.llm, self._dir = None, None, None, None
         self._log = VLLMLog(log_file, log_prefix)
         try:
-            self._start(vllm, model_dir, spec, drafter, cfg, max_batch_size, seed, device_type)
+            with warnings.catch_warnings(record=self._log.path is not None) as said:  # vLLM's, into its log
+                self._start(vllm, model_dir, spec, drafter, cfg, max_batch_size, seed, device_type)
+            for w in said or ():
+                logging.getLogger("vllm").warning("%s: %s", w.category.__name__, w.message)
         except BaseException as e:
             note, drafts = self._log_note(), self._dir is not None
             self.close()
@@ -372,6 +376,7 @@ class VLLMBackend:
                             # chunk's dropped sample (a CPU's), prompts are prefilled whole
                             enable_chunked_prefill=chunked,
                             disable_log_stats=False, speculative_config=speculative,
+                            use_tqdm_on_load=self._log.path is None,  # with a log file, no bars on the terminal
                             **token_budget(max_batch_size, self.max_seq_len, whole_prefill=not chunked),
                             # VLLMLog's handler stays: vLLM's own set-up would replace it
                             logging_config=LoggingConfig(configure_logging=False, pylogging_config_file=None))
