@@ -115,7 +115,7 @@ def kept_logs(path: Path) -> list[str]:
     """The logs a run that failed before its first step left in `path` (beside its `.lock`,
     nothing else), or []."""
     names = {p.name for p in path.iterdir()} if path.is_dir() else set()
-    return sorted(names - {".lock"}) if ".lock" in names and {".lock"} < names <= {".lock", *FAILURE_LOGS} else []
+    return sorted(names - {".lock"}) if {".lock"} < names <= {".lock", *FAILURE_LOGS} else []
 
 
 def _holds_a_run(path: Path) -> bool:
@@ -123,7 +123,7 @@ def _holds_a_run(path: Path) -> bool:
     not ours to write into."""
     names = {p.name for p in path.iterdir()} if path.is_dir() else set()
     # empty, or left by a run that failed at once (without a .lock, a file of that name is the user's)
-    if names <= {".lock"} or (".lock" in names and names <= {".lock", *FAILURE_LOGS}):
+    if names <= {".lock"} or kept_logs(path):
         return False
     return not unstarted_run(path)
 
