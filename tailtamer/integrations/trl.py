@@ -72,8 +72,7 @@ class StalePolicy(TailtamerError):
     """The engine's model is not the trainer's current policy."""
 
 
-def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot,
-                    vllm=VLLMConfig()) -> None:
+def check_arguments(spec, drafter, strategy, strategies, bs_threshold, max_batch_size, backend, spot, vllm) -> None:
     """TLTRollout's arguments, each refused at construction in one line naming it: the values
     SpecConfig does not check itself, and a drafter or switch the chosen `spec` would not use
     (as `tailtamer generate` refuses its flags; the strategies it does not read, `SpecConfig.unread`)."""
